@@ -1,0 +1,377 @@
+"""The mixed-precision machinery shared by every mixedopt optimizer.
+
+``MixedPrecisionOptimizer`` is a mixin placed before a ``torch.optim`` class. It installs the
+gradient storage (``_storage.py``) at construction, and its ``step()`` turns the 16-bit stored
+gradients into true float32 gradients (storage scale x loss scale x clip coefficient, one pass) in
+bounded slices, handing each slice to the parent's public functional update (``rmsprop()``,
+``adam()``, ``sgd()``). An optimizer file only says how its state is created and which functional
+to call.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
+
+# Elements of float32 gradient materialised at once by step(): 1 Mi elements = 4 MiB, small enough
+# to stay in cache while the update reads it back.
+SLICE_ELEMENTS = 1 << 20
+
+_UNSUPPORTED_FLAGS = ("fused", "capturable", "differentiable")
+
+
+@dataclass
+class _Entry:
+    """A parameter with a gradient, as step() sees it."""
+
+    param: Tensor
+    grad: Tensor  # p.grad: float16/bfloat16 (scaled) or float32
+    storage_scale: Tensor | None  # None: grad holds true values
+    state: dict[str, Any] = field(default_factory=dict)  # the optimizer's state for param
+    # When param, grad and every state tensor are dense in the same layout, 1-D views of them
+    # in storage order, which step() cuts into slices; else the tensors themselves, taken whole.
+    splittable: bool = False
+    param_view: Tensor | None = None
+    grad_view: Tensor | None = None
+    state_views: list[Tensor] = field(default_factory=list)
+    # State the functional creates on the first step (SGD's momentum buffer): where it goes.
+    created_state: dict[str, Tensor] = field(default_factory=dict)
+
+    def plan(self, keys: list[str], state: dict[str, Any]) -> None:
+        tensors = [state.get(key, self.created_state.get(key)) for key in keys]
+        order = _dense_order(self.param)
+        if order is not None:
+            views = [_flat(t, order) for t in (self.param, *tensors)]
+            if all(v is not None for v in views):
+                self.splittable = True
+                self.param_view, *self.state_views = views
+                # A view when the gradient has the param's layout, else a copy in that layout.
+                self.grad_view = self.grad.permute(order).reshape(-1)
+                return
+        self.param_view, self.grad_view, self.state_views = self.param, self.grad, tensors
+
+    def piece(self, t: Tensor, start: int, stop: int) -> Tensor:
+        return t[start:stop] if self.splittable else t
+
+
+def _dense_order(t: Tensor) -> tuple[int, ...] | None:
+    """Dimension order (outermost first) in which ``t`` is contiguous; None if not dense."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def _flat(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
+    """A 1-D view of ``t`` in storage order, or None when ``t`` is not dense in ``order``."""
+    permuted = t.permute(order)
+    return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def _slices(
+    sizes: Sequence[tuple[int, bool]], capacity: int
+) -> Iterator[list[tuple[int, int, int]]]:
+    """Group ``(numel, splittable)`` items into batches of at most ``capacity`` elements.
+
+    Yields lists of ``(item, start, stop)``; a splittable item may be cut across batches, an
+    unsplittable one is never cut (and is a batch of its own when larger than ``capacity``).
+    """
+    batch: list[tuple[int, int, int]] = []
+    filled = 0
+    for index, (numel, splittable) in enumerate(sizes):
+        if not splittable:
+            if batch and filled + numel > capacity:
+                yield batch
+                batch, filled = [], 0
+            batch.append((index, 0, numel))
+            filled += numel
+            continue
+        start = 0
+        while True:
+            take = min(numel - start, capacity - filled)
+            if take == 0 and start < numel:
+                yield batch
+                batch, filled = [], 0
+                continue
+            batch.append((index, start, start + take))
+            filled += take
+            start += take
+            if start == numel:
+                break
+    if batch:
+        yield batch
+
+
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
+    """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
+
+    At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
+    ``grad_dtype`` after ``backward()``, holding the true gradient times a per-tensor power-of-two
+    storage scale (``true_grad`` undoes it). ``step()`` upcasts and unscales the gradients in
+    bounded slices and applies the parent's float32 update to float32 weights and state.
+
+    Args:
+        grad_dtype: dtype of the stored gradients, ``torch.float16`` (default) or
+            ``torch.bfloat16``.
+        max_grad_norm: if set, ``step()`` clips the true gradients of all parameter groups to this
+            global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` would on float32 gradients.
+
+    Attributes:
+        grad_dtype: dtype of the stored gradients.
+        max_grad_norm: the clipping norm, or ``None``.
+        last_grad_norm: L2 norm of all true gradients (before clipping) at the last ``step()``
+            that had gradients, a 0-dim float32 tensor; ``None`` before that.
+        skipped_steps: steps skipped because a gradient was inf or NaN (GradScaler's included).
+    """
+
+    # GradScaler.step() hands this optimizer its scale and found_inf instead of unscaling 16-bit
+    # gradients itself (which it refuses to do).
+    _step_supports_amp_scaling = True
+
+    # Set by each optimizer.
+    _functional_name: str = ""
+
+    def __init__(
+        self,
+        params: Any,
+        *args: Any,
+        grad_dtype: torch.dtype = torch.float16,
+        max_grad_norm: float | None = None,
+        **kwargs: Any,
+    ) -> None:
+        name = type(self).__name__
+        if grad_dtype not in SUPPORTED_GRAD_DTYPES:
+            raise ValueError(
+                f"Invalid grad_dtype: {grad_dtype}; mixedopt.{name} stores gradients in "
+                "torch.float16 or torch.bfloat16"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(
+                f"Invalid max_grad_norm value: {max_grad_norm}; use a positive number, or None "
+                "for no clipping"
+            )
+        self.grad_dtype = grad_dtype
+        self.max_grad_norm = max_grad_norm
+        self.skipped_steps = 0
+        self.last_grad_norm: Tensor | None = None
+        self._grad_storage = GradientStorage(grad_dtype)
+        # The storage does not reference the optimizer: it is released when the optimizer dies.
+        self._release_storage = weakref.finalize(self, self._grad_storage.release)
+        try:
+            super().__init__(params, *args, **kwargs)
+        except BaseException:
+            self._release_storage()
+            raise
+
+    # ------------------------------------------------------------------ construction
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+        except ValueError:
+            self.param_groups.pop()
+            raise
+        for p in group["params"]:
+            self._grad_storage.install(p)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        name = type(self).__name__
+        for flag in _UNSUPPORTED_FLAGS:
+            if group.get(flag):
+                raise ValueError(
+                    f"mixedopt.{name} does not support {flag}=True; leave it at its default"
+                )
+        for p in group["params"]:
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"mixedopt.{name} got a parameter of dtype {p.dtype}; mixedopt keeps float32 "
+                    "master weights, so every parameter must be torch.float32 (keep the model in "
+                    "float32 and use torch.autocast for low-precision compute)"
+                )
+            self._grad_storage.check_can_manage(p)
+
+    def remove_grad_storage(self) -> None:
+        """Stop storing gradients in ``grad_dtype``.
+
+        Removes the hooks installed at construction and gives every parameter its true float32
+        gradient back: from then on the parameters behave like plain torch parameters. The
+        optimizer still steps (on float32 gradients). Also done when the optimizer is garbage
+        collected.
+        """
+        self._release_storage()
+
+    def true_grad(self, param: Tensor) -> Tensor | None:
+        """The true (unscaled) gradient of ``param`` as a new float32 tensor, or ``None``."""
+        return self._grad_storage.true_grad(param)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+        """Perform a single optimization step; see the parent class.
+
+        Unscales the stored gradients (storage scale, GradScaler's scale, ``max_grad_norm``
+        clipping) and applies the parent's update in float32. The whole step is skipped, weights
+        and state untouched, when GradScaler found an inf/NaN or when any gradient is non-finite.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+
+        entries = [self._collect(group) for group in self.param_groups]
+        if not any(entries):
+            return loss
+
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None and bool(found_inf.item()):
+            self.skipped_steps += 1  # GradScaler lowers its scale; no warning, as torch.optim
+            return loss
+
+        grad_scale = getattr(self, "grad_scale", None)
+        common = self._common_factor([e for group in entries for e in group], grad_scale)
+        if common is None:
+            self.skipped_steps += 1
+            warnings.warn(
+                f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was skipped "
+                f"(weights and state unchanged; {self.skipped_steps} skipped so far)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return loss
+
+        for group, group_entries in zip(self.param_groups, entries, strict=True):
+            if group_entries:
+                self._step_group(group, group_entries, common)
+        return loss
+
+    def _collect(self, group: dict[str, Any]) -> list[_Entry]:
+        name = type(self).__name__
+        found = []
+        for p in group["params"]:
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"mixedopt.{name} does not support sparse gradients; use dense gradients "
+                    "(for example nn.Embedding(sparse=False))"
+                )
+            if grad.dtype not in (torch.float32, *SUPPORTED_GRAD_DTYPES):
+                raise RuntimeError(
+                    f"mixedopt.{name} got a gradient of dtype {grad.dtype}; a gradient must be "
+                    "float16, bfloat16 or float32"
+                )
+            found.append(_Entry(p, grad, self._grad_storage.scale_of(p)))
+        return found
+
+    def _common_factor(self, entries: list[_Entry], grad_scale: Tensor | None) -> Tensor | None:
+        """Loss-scale x clip factor shared by all gradients; None when a gradient is non-finite.
+
+        Also records ``last_grad_norm``, the L2 norm of all true gradients (before clipping),
+        computed as ``torch.nn.utils.clip_grad_norm_`` does.
+        """
+        device = entries[0].param.device
+        inverse = torch.ones((), dtype=torch.float32, device=device)
+        if grad_scale is not None:
+            inverse = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
+        norms = []
+        for e in entries:
+            norm = torch.linalg.vector_norm(e.grad, dtype=torch.float32)
+            if e.storage_scale is not None:
+                norm = norm / e.storage_scale
+            norms.append(norm.to(device))
+        total = torch.linalg.vector_norm(torch.stack(norms) * inverse)
+        self.last_grad_norm = total
+        if not bool(torch.isfinite(total)):
+            return None
+        if self.max_grad_norm is not None:
+            inverse = inverse * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        return inverse
+
+    def _step_group(self, group: dict[str, Any], entries: list[_Entry], common: Tensor) -> None:
+        keys = self._state_keys(group)
+        by_device: dict[torch.device, list[_Entry]] = {}
+        for e in entries:
+            # Like the parent, an optimizer with no state (SGD without momentum) records none.
+            if keys:
+                e.state = self.state[e.param]
+                self._init_state(e.param, group, e.state)
+            for key in keys:
+                if e.state.get(key) is None:
+                    e.created_state[key] = torch.empty_like(e.param)
+            e.plan(keys, e.state)
+            by_device.setdefault(e.param.device, []).append(e)
+        for device, device_entries in by_device.items():
+            self._step_slices(group, device_entries, keys, common.to(device))
+        for e in entries:
+            e.state.update(e.created_state)
+
+    def _step_slices(
+        self, group: dict[str, Any], entries: list[_Entry], keys: list[str], common: Tensor
+    ) -> None:
+        """Upcast and unscale the gradients slice by slice, and update each slice."""
+        sizes = [(e.param.numel(), e.splittable) for e in entries]
+        largest_whole = max((n for n, splittable in sizes if not splittable), default=0)
+        capacity = max(min(SLICE_ELEMENTS, sum(n for n, _ in sizes)), largest_whole)
+        buffer = torch.empty(capacity, dtype=torch.float32, device=common.device)
+        factors = [common if e.storage_scale is None else common / e.storage_scale for e in entries]
+        for batch in _slices(sizes, SLICE_ELEMENTS):
+            params: list[Tensor] = []
+            grads: list[Tensor] = []
+            states: dict[str, list[Tensor | None]] = {key: [] for key in keys}
+            steps: list[Tensor] = []
+            created: list[tuple[Tensor, list[Tensor | None], int]] = []
+            filled = 0
+            for i, start, stop in batch:
+                e = entries[i]
+                grad = e.piece(e.grad_view, start, stop)
+                out = buffer[filled : filled + stop - start].view(grad.shape)
+                filled += stop - start
+                # Both operands have dimensions, so the product is computed in float32.
+                torch.mul(grad, factors[i].reshape([1] * max(grad.dim(), 1)), out=out)
+                params.append(e.piece(e.param_view, start, stop))
+                grads.append(out)
+                for key, view in zip(keys, e.state_views, strict=True):
+                    piece = e.piece(view, start, stop)
+                    if key in e.created_state:  # the functional creates it: copied in below
+                        created.append((piece, states[key], len(states[key])))
+                        states[key].append(None)
+                    else:
+                        states[key].append(piece)
+                step = e.state.get("step")
+                if step is not None:
+                    # The counter advances once per parameter: earlier slices advance a copy.
+                    steps.append(step if stop == e.param.numel() else step.clone())
+            self._update(group, params, grads, states, steps)
+            for destination, values, position in created:
+                destination.copy_(values[position])
+
+    # ------------------------------------------------------------------ per optimizer
+
+    def _state_keys(self, group: dict[str, Any]) -> list[str]:
+        """Elementwise float32 state tensors the update reads for this group, in order."""
+        raise NotImplementedError
+
+    def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        """Create the parent's state for ``param`` on its first step (as the parent does)."""
+        raise NotImplementedError
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: dict[str, list[Tensor | None]],
+        steps: list[Tensor],
+    ) -> None:
+        """Apply the parent's functional update to float32 ``grads`` (slices of the parameters)."""
+        raise NotImplementedError

@@ -1,0 +1,61 @@
+"""Adam with float32 master weights and 16-bit gradients."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam
+
+from ._core import MixedPrecisionOptimizer
+
+__all__ = ["Adam"]
+
+
+class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
+    """:class:`torch.optim.Adam` with float32 master weights and 16-bit gradients.
+
+    Takes every argument of the parent, with the same defaults, plus the keyword-only
+    ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
+    """
+
+    def _state_keys(self, group: dict[str, Any]) -> list[str]:
+        keys = ["exp_avg", "exp_avg_sq"]
+        if group["amsgrad"]:
+            keys.append("max_exp_avg_sq")
+        return keys
+
+    def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
+        if len(state) != 0:
+            return
+        state["step"] = torch.zeros((), dtype=torch.float32)
+        for key in self._state_keys(group):
+            state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def _update(
+        self,
+        group: dict[str, Any],
+        params: list[Tensor],
+        grads: list[Tensor],
+        states: dict[str, list[Any]],
+        steps: list[Tensor],
+    ) -> None:
+        beta1, beta2 = group["betas"]
+        adam(
+            params,
+            grads,
+            states["exp_avg"],
+            states["exp_avg_sq"],
+            states.get("max_exp_avg_sq", []),
+            steps,
+            amsgrad=group["amsgrad"],
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
