@@ -1,0 +1,269 @@
+"""Gradient storage: what `.grad` holds after backward, and how it gets there."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from helpers import OPTIMIZERS, autocast_backward, fp32_grads, relative_error, small_model
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import mixedopt
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_grads_land_in_grad_dtype_and_params_stay_float32(name, grad_dtype):
+    model = small_model()
+    opt = OPTIMIZERS[name][0](model.parameters(), grad_dtype=grad_dtype)
+    autocast_backward(model, torch.randn(4, 6))
+    assert opt.grad_dtype == grad_dtype
+    for p in model.parameters():
+        assert p.dtype == torch.float32
+        assert p.grad.dtype == grad_dtype
+
+
+def test_default_grad_dtype_is_float16():
+    assert mixedopt.Adam(small_model().parameters()).grad_dtype == torch.float16
+
+
+@given(
+    exponent=st.floats(min_value=-9, max_value=6),
+    loss_scale_exponent=st.integers(min_value=0, max_value=24),
+    numel=st.integers(min_value=1, max_value=300),
+    spread=st.floats(min_value=0, max_value=4),
+    seed=st.integers(min_value=0, max_value=2**16),
+)
+def test_stored_gradient_keeps_fp16_precision_at_any_magnitude(
+    exponent, loss_scale_exponent, numel, spread, seed
+):
+    """Gradients from 1e-9 to 1e6, times loss scales up to 2**24, come back within 1e-3.
+
+    ``spread`` makes the entries of one tensor span that many decades.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    magnitudes = 10.0 ** (exponent - spread * torch.rand(numel, generator=generator))
+    signs = torch.randint(0, 2, (numel,), generator=generator) * 2 - 1
+    true_grad = (magnitudes * signs).float()
+    loss_scale = 2.0**loss_scale_exponent
+    p = nn.Parameter(torch.zeros(numel))
+    opt = mixedopt.Adam([p])
+    (p * (true_grad * loss_scale)).sum().backward()
+    assert p.grad.dtype == torch.float16
+    assert relative_error(opt.true_grad(p) / loss_scale, true_grad) <= 1e-3
+
+
+@pytest.mark.parametrize("loss_scale", [1e-4, 1.0, 2.0**16])
+def test_autocast_model_gradients_keep_fp16_precision(loss_scale):
+    model = small_model()
+    opt = mixedopt.Adam(model.parameters())
+    x = torch.randn(8, 6)
+    exact = fp32_grads(model, x, loss_scale)
+    autocast_backward(model, x, loss_scale)
+    for p, g in zip(model.parameters(), exact, strict=True):
+        assert relative_error(opt.true_grad(p), g) <= 1e-3
+
+
+def test_plain_fp16_storage_would_lose_small_gradients():
+    """The reason for the storage scale: the same gradients rounded to fp16 flush to zero."""
+    exact = torch.randn(1000) * 1e-8
+    assert relative_error(exact.half().float(), exact) > 0.5
+    p = nn.Parameter(torch.zeros(1000))
+    opt = mixedopt.Adam([p])
+    (p * exact).sum().backward()
+    assert relative_error(opt.true_grad(p), exact) <= 1e-3
+
+
+def test_gradient_accumulation_over_8_micro_batches_stays_within_3e_3():
+    model = small_model()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+    reference = [torch.zeros_like(p) for p in model.parameters()]
+    for i in range(8):
+        x = torch.randn(4, 6) * (1 + i)  # micro-batches of different magnitude
+        scale = 10.0 ** (i - 4)
+        for total, g in zip(reference, fp32_grads(model, x, scale), strict=True):
+            total += g
+        autocast_backward(model, x, scale)
+        assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+    for p, total in zip(model.parameters(), reference, strict=True):
+        assert relative_error(opt.true_grad(p), total) <= 3e-3
+
+
+def test_gradient_assigned_by_hand_is_taken_as_the_true_gradient():
+    p = nn.Parameter(torch.ones(3))
+    opt = mixedopt.SGD([p], lr=1.0)
+    p.grad = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float16)
+    torch.testing.assert_close(opt.true_grad(p), torch.tensor([0.5, 1.0, 2.0]))
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([0.5, 0.0, -1.0]))
+
+
+def test_backward_accumulates_onto_a_gradient_assigned_by_hand():
+    p = nn.Parameter(torch.ones(3))
+    opt = mixedopt.SGD([p], lr=1.0)
+    p.grad = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float16)
+    (p * 3).sum().backward()
+    assert p.grad.dtype == torch.float16
+    torch.testing.assert_close(opt.true_grad(p), torch.tensor([3.5, 4.0, 5.0]))
+
+
+def test_true_grad_is_none_without_a_gradient():
+    p = nn.Parameter(torch.ones(3))
+    assert mixedopt.Adam([p]).true_grad(p) is None
+
+
+def test_p_grad_holds_the_true_gradient_times_a_power_of_two():
+    p = nn.Parameter(torch.ones(4))
+    opt = mixedopt.Adam([p])
+    (p * 3e-6).sum().backward()
+    ratio = p.grad.float() / opt.true_grad(p)
+    assert torch.all(ratio == ratio[0])
+    mantissa, _ = torch.frexp(ratio[0])
+    assert mantissa == 0.5
+
+
+def test_autograd_grad_results_are_not_scaled():
+    """torch.autograd.grad does not accumulate into .grad and must not see the storage scale."""
+    p = nn.Parameter(torch.ones(3))
+    mixedopt.Adam([p])
+    (p * 1e-6).sum().backward()  # a stored gradient exists
+    (g,) = torch.autograd.grad((p * 2.0).sum(), p)
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, torch.full((3,), 2.0))
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_then_backward_gives_the_new_gradient(set_to_none):
+    p = nn.Parameter(torch.ones(3))
+    opt = mixedopt.Adam([p])
+    (p * 1e4).sum().backward()
+    opt.zero_grad(set_to_none=set_to_none)
+    (p * 1e-7).sum().backward()
+    assert p.grad.dtype == torch.float16
+    torch.testing.assert_close(opt.true_grad(p), torch.full((3,), 1e-7))
+
+
+def test_zero_grad_set_to_none_false_keeps_fine_scale_for_small_gradients():
+    """A large gradient once must not leave a coarse scale behind after in-place zeroing."""
+    p = nn.Parameter(torch.ones(1000))
+    opt = mixedopt.Adam([p])
+    (p * 1e3).sum().backward()
+    opt.zero_grad(set_to_none=False)
+    g = torch.linspace(1e-9, 1e-6, 1000)
+    (p * g).sum().backward()
+    assert relative_error(opt.true_grad(p), g) <= 1e-3
+
+
+def test_parameter_without_gradient_keeps_none():
+    model = small_model()
+    extra = nn.Parameter(torch.ones(2))
+    opt = mixedopt.RMSprop([*model.parameters(), extra])
+    autocast_backward(model, torch.randn(4, 6))
+    opt.step()
+    assert extra.grad is None
+    assert len(opt.state[extra]) == 0
+    torch.testing.assert_close(extra.detach(), torch.ones(2))
+
+
+def test_tied_parameter_gets_the_sum_of_both_uses():
+    shared = nn.Parameter(torch.randn(5, 5))
+    opt = mixedopt.Adam([shared])
+    x = torch.randn(3, 5)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = (x @ shared @ shared).float().sum()
+    (exact,) = torch.autograd.grad(loss, shared, retain_graph=True)
+    loss.backward()
+    assert shared.grad.dtype == torch.float16
+    assert relative_error(opt.true_grad(shared), exact) <= 1e-3
+
+
+@pytest.mark.parametrize(
+    "shape,memory_format",
+    [((), None), ((0,), None), ((0, 3), None), ((2, 3, 4, 5), torch.channels_last), ((7,), None)],
+)
+def test_odd_shapes_and_layouts_are_stored_and_stepped(shape, memory_format):
+    data = torch.randn(shape)
+    if memory_format is not None:
+        data = data.contiguous(memory_format=memory_format)
+    p = nn.Parameter(data.clone())
+    q = nn.Parameter(data.clone())
+    opt = mixedopt.Adam([p], lr=0.1)
+    ref = torch.optim.Adam([q], lr=0.1)
+    g = torch.randn(shape)
+    (p * g).sum().backward()
+    assert p.grad.dtype == torch.float16
+    if memory_format is not None:
+        assert p.grad.is_contiguous(memory_format=memory_format)
+    q.grad = opt.true_grad(p)
+    opt.step()
+    ref.step()
+    torch.testing.assert_close(p, q)
+    assert opt.state[p]["exp_avg"].stride() == ref.state[q]["exp_avg"].stride()
+
+
+def test_optimizer_is_not_kept_alive_by_its_hooks():
+    model = small_model()
+    opt = mixedopt.Adam(model.parameters())
+    autocast_backward(model, torch.randn(4, 6))
+    alive = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert alive() is None
+    model.zero_grad()
+    autocast_backward(model, torch.randn(4, 6))
+    for p in model.parameters():
+        assert p.grad.dtype == torch.float32
+        assert p.grad_dtype == torch.float32
+
+
+def test_dropping_the_optimizer_gives_back_true_fp32_gradients():
+    p = nn.Parameter(torch.ones(3))
+    opt = mixedopt.Adam([p])
+    (p * 1e-7).sum().backward()
+    del opt
+    gc.collect()
+    assert p.grad.dtype == torch.float32
+    torch.testing.assert_close(p.grad, torch.full((3,), 1e-7))
+
+
+def test_remove_grad_storage_makes_parameters_plain_again():
+    model = small_model()
+    opt = mixedopt.Adam(model.parameters())
+    x = torch.randn(4, 6)
+    autocast_backward(model, x)
+    opt.remove_grad_storage()
+    exact = fp32_grads(model, x)
+    for p, g in zip(model.parameters(), exact, strict=True):
+        assert p.grad.dtype == torch.float32
+        assert relative_error(p.grad, g) <= 1e-3
+    model.zero_grad()
+    autocast_backward(model, x)
+    for p, g in zip(model.parameters(), exact, strict=True):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad, g)
+    opt.step()  # still steps, on float32 gradients
+
+
+def test_a_new_optimizer_can_take_over_after_remove_grad_storage():
+    model = small_model()
+    first = mixedopt.Adam(model.parameters())
+    first.remove_grad_storage()
+    second = mixedopt.SGD(model.parameters(), lr=0.1)
+    autocast_backward(model, torch.randn(4, 6))
+    assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+    assert second.grad_dtype == torch.float16
+
+
+def test_add_param_group_installs_storage_for_new_parameters():
+    model = small_model()
+    head = nn.Linear(3, 2)
+    opt = mixedopt.Adam(model.parameters())
+    opt.add_param_group({"params": head.parameters(), "lr": 1e-2})
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = head(model(torch.randn(4, 6))).float().sum()
+    loss.backward()
+    assert all(p.grad.dtype == torch.float16 for p in head.parameters())
