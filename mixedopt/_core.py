@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
+from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
 # Elements of float32 gradient materialised at once by step(): 1 Mi elements = 4 MiB, small enough
 # to stay in cache while the update reads it back.
@@ -125,8 +125,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     Attributes:
         grad_dtype: dtype of the stored gradients.
         max_grad_norm: the clipping norm, or ``None``.
-        last_grad_norm: L2 norm of all true gradients (before clipping) at the last ``step()``
-            that had gradients, a 0-dim float32 tensor; ``None`` before that.
+        last_grad_norm: with ``max_grad_norm``, the L2 norm of all true gradients (before
+            clipping) at the last ``step()`` that had gradients, a 0-dim float32 tensor;
+            ``None`` before that and without ``max_grad_norm``.
         skipped_steps: steps skipped because a gradient was inf or NaN (GradScaler's included).
     """
 
@@ -276,13 +277,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _common_factor(self, entries: list[_Entry], grad_scale: Tensor | None) -> Tensor | None:
         """Loss-scale x clip factor shared by all gradients; None when a gradient is non-finite.
 
-        Also records ``last_grad_norm``, the L2 norm of all true gradients (before clipping),
-        computed as ``torch.nn.utils.clip_grad_norm_`` does.
+        With ``max_grad_norm`` it also records ``last_grad_norm``, the L2 norm of all true
+        gradients before clipping, computed as ``torch.nn.utils.clip_grad_norm_`` does.
         """
         device = entries[0].param.device
         inverse = torch.ones((), dtype=torch.float32, device=device)
         if grad_scale is not None:
             inverse = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
+        if self.max_grad_norm is None:
+            if grad_scale is None:  # with GradScaler, its found_inf already answered
+                amax = torch.stack([abs_max(e.grad).to(device) for e in entries])
+                if not bool(amax.isfinite().all()):
+                    return None
+            return inverse
         norms = []
         for e in entries:
             norm = torch.linalg.vector_norm(e.grad, dtype=torch.float32)
@@ -293,9 +300,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = total
         if not bool(torch.isfinite(total)):
             return None
-        if self.max_grad_norm is not None:
-            inverse = inverse * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
-        return inverse
+        return inverse * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
 
     def _step_group(self, group: dict[str, Any], entries: list[_Entry], common: Tensor) -> None:
         keys = self._state_keys(group)
@@ -336,8 +341,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 grad = e.piece(e.grad_view, start, stop)
                 out = buffer[filled : filled + stop - start].view(grad.shape)
                 filled += stop - start
-                # Both operands have dimensions, so the product is computed in float32.
-                torch.mul(grad, factors[i].reshape([1] * max(grad.dim(), 1)), out=out)
+                out.copy_(grad).mul_(factors[i])  # upcast, then unscale in float32, in cache
                 params.append(e.piece(e.param_view, start, stop))
                 grads.append(out)
                 for key, view in zip(keys, e.state_views, strict=True):

@@ -55,10 +55,15 @@ def power_of_two_scale(amax: Tensor) -> Tensor:
 
 
 def abs_max(t: Tensor) -> Tensor:
-    """Largest magnitude of ``t`` as a 0-dim float32 tensor (0 for an empty tensor)."""
+    """Largest magnitude of ``t`` as a 0-dim float32 tensor (0 for an empty tensor).
+
+    inf or NaN anywhere in ``t`` gives inf or NaN. ``aminmax`` is used because it is many times
+    faster on CPU than an inf-norm or ``abs().max()``.
+    """
     if t.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=t.device)
-    return torch.linalg.vector_norm(t, ord=float("inf"), dtype=torch.float32)
+    low, high = torch.aminmax(t)
+    return torch.maximum(high, -low).float()
 
 
 class _Slot:

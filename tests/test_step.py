@@ -227,7 +227,7 @@ def test_sparse_gradient_is_refused_at_step():
 
 def test_step_without_any_gradient_does_nothing():
     model = small_model()
-    opt = mixedopt.Adam(model.parameters())
+    opt = mixedopt.Adam(model.parameters(), max_grad_norm=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
@@ -237,10 +237,18 @@ def test_step_without_any_gradient_does_nothing():
 def test_last_grad_norm_is_the_true_total_norm():
     p = nn.Parameter(torch.zeros(2))
     q = nn.Parameter(torch.zeros(1))
-    opt = mixedopt.SGD([{"params": [p]}, {"params": [q], "lr": 0.5}], lr=0.1)
+    opt = mixedopt.SGD([{"params": [p]}, {"params": [q], "lr": 0.5}], lr=0.1, max_grad_norm=1.0)
     (p * torch.tensor([3e-7, 0.0]) + q * 4e-7).sum().backward()
     opt.step()
     torch.testing.assert_close(opt.last_grad_norm, torch.tensor(5e-7))
+
+
+def test_last_grad_norm_is_not_computed_without_max_grad_norm():
+    p = nn.Parameter(torch.zeros(2))
+    opt = mixedopt.SGD([p], lr=0.1)
+    p.sum().backward()
+    opt.step()
+    assert opt.last_grad_norm is None
 
 
 def test_several_param_groups_keep_their_own_hyperparameters():
