@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from . import _fused
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
 # Elements of float32 gradient materialised at once by step(): 1 Mi elements = 4 MiB, small enough
 # to stay in cache while the update reads it back.
 SLICE_ELEMENTS = 1 << 20
 
-_UNSUPPORTED_FLAGS = ("fused", "capturable", "differentiable")
+_UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
 
 @dataclass
@@ -129,6 +130,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             clipping) at the last ``step()`` that had gradients, a 0-dim float32 tensor;
             ``None`` before that and without ``max_grad_norm``.
         skipped_steps: steps skipped because a gradient was inf or NaN (GradScaler's included).
+            Reading it after fused steps on an accelerator synchronises with the device.
     """
 
     # GradScaler.step() hands this optimizer its scale and found_inf instead of unscaling 16-bit
@@ -159,8 +161,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         self.grad_dtype = grad_dtype
         self.max_grad_norm = max_grad_norm
-        self.skipped_steps = 0
         self.last_grad_norm: Tensor | None = None
+        self._skipped_on_host = 0
+        self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
         self._grad_storage = GradientStorage(grad_dtype)
         # The storage does not reference the optimizer: it is released when the optimizer dies.
         self._release_storage = weakref.finalize(self, self._grad_storage.release)
@@ -215,6 +218,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped because a gradient was inf or NaN (GradScaler's skips included)."""
+        on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
+        return self._skipped_on_host + on_device
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Perform a single optimization step; see the parent class.
@@ -231,27 +240,35 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         entries = [self._collect(group) for group in self.param_groups]
         if not any(entries):
             return loss
-
         found_inf = getattr(self, "found_inf", None)
-        if found_inf is not None and bool(found_inf.item()):
-            self.skipped_steps += 1  # GradScaler lowers its scale; no warning, as torch.optim
+        unscale, skip = self._unscale_and_skip(
+            [e for group in entries for e in group], getattr(self, "grad_scale", None), found_inf
+        )
+        steps = [(g, e) for g, e in zip(self.param_groups, entries, strict=True) if e]
+
+        if all(self._fused_ready(group, group_entries) for group, group_entries in steps):
+            # No host synchronisation: the kernels keep the old values where skip is set.
+            for group, group_entries in steps:
+                self._fused_step_group(group, group_entries, unscale, skip)
+            if skip.device.type != "cpu":
+                if self._skipped_on_device is None:
+                    self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
+                self._skipped_on_device += skip
+                return loss
+        elif not bool(skip):
+            for group, group_entries in steps:
+                self._step_group(group, group_entries, unscale)
             return loss
 
-        grad_scale = getattr(self, "grad_scale", None)
-        common = self._common_factor([e for group in entries for e in group], grad_scale)
-        if common is None:
-            self.skipped_steps += 1
-            warnings.warn(
-                f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was skipped "
-                f"(weights and state unchanged; {self.skipped_steps} skipped so far)",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return loss
-
-        for group, group_entries in zip(self.param_groups, entries, strict=True):
-            if group_entries:
-                self._step_group(group, group_entries, common)
+        if bool(skip):  # on the CPU, reading the flag costs nothing
+            self._skipped_on_host += 1
+            if found_inf is None:  # with GradScaler, skipping is routine: no warning
+                warnings.warn(
+                    f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was "
+                    f"skipped (weights and state unchanged; {self.skipped_steps} skipped so far)",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         return loss
 
     def _collect(self, group: dict[str, Any]) -> list[_Entry]:
@@ -274,35 +291,39 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             found.append(_Entry(p, grad, self._grad_storage.scale_of(p)))
         return found
 
-    def _common_factor(self, entries: list[_Entry], grad_scale: Tensor | None) -> Tensor | None:
-        """Loss-scale x clip factor shared by all gradients; None when a gradient is non-finite.
+    def _unscale_and_skip(
+        self, entries: list[_Entry], grad_scale: Tensor | None, found_inf: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """The factor shared by all gradients (1/loss scale x clip coefficient) and the skip flag.
 
-        With ``max_grad_norm`` it also records ``last_grad_norm``, the L2 norm of all true
-        gradients before clipping, computed as ``torch.nn.utils.clip_grad_norm_`` does.
+        Both are 0-dim tensors on the first parameter's device, computed without host
+        synchronisation. With ``max_grad_norm`` it also records ``last_grad_norm``, the L2 norm
+        of all true gradients before clipping, computed as ``clip_grad_norm_`` does.
         """
         device = entries[0].param.device
-        inverse = torch.ones((), dtype=torch.float32, device=device)
+        unscale = torch.ones((), dtype=torch.float32, device=device)
+        skip = torch.zeros((), dtype=torch.bool, device=device)
         if grad_scale is not None:
-            inverse = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
-        if self.max_grad_norm is None:
-            if grad_scale is None:  # with GradScaler, its found_inf already answered
-                amax = torch.stack([abs_max(e.grad).to(device) for e in entries])
-                if not bool(amax.isfinite().all()):
-                    return None
-            return inverse
-        norms = []
-        for e in entries:
-            norm = torch.linalg.vector_norm(e.grad, dtype=torch.float32)
-            if e.storage_scale is not None:
-                norm = norm / e.storage_scale
-            norms.append(norm.to(device))
-        total = torch.linalg.vector_norm(torch.stack(norms) * inverse)
-        self.last_grad_norm = total
-        if not bool(torch.isfinite(total)):
-            return None
-        return inverse * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
+        if found_inf is not None:  # GradScaler checked every gradient already
+            skip = found_inf.to(device) > 0
+        if self.max_grad_norm is not None:
+            norms = []
+            for e in entries:
+                norm = torch.linalg.vector_norm(e.grad, dtype=torch.float32)
+                if e.storage_scale is not None:
+                    norm = norm / e.storage_scale
+                norms.append(norm.to(device))
+            total = torch.linalg.vector_norm(torch.stack(norms) * unscale)
+            self.last_grad_norm = total
+            skip = skip | ~torch.isfinite(total)
+            unscale = unscale * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+        elif found_inf is None:
+            amax = torch.stack([abs_max(e.grad).to(device) for e in entries])
+            skip = ~amax.isfinite().all()
+        return unscale, skip
 
-    def _step_group(self, group: dict[str, Any], entries: list[_Entry], common: Tensor) -> None:
+    def _step_group(self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor) -> None:
         keys = self._state_keys(group)
         by_device: dict[torch.device, list[_Entry]] = {}
         for e in entries:
@@ -316,19 +337,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             e.plan(keys, e.state)
             by_device.setdefault(e.param.device, []).append(e)
         for device, device_entries in by_device.items():
-            self._step_slices(group, device_entries, keys, common.to(device))
+            self._step_slices(group, device_entries, keys, unscale.to(device))
         for e in entries:
             e.state.update(e.created_state)
 
     def _step_slices(
-        self, group: dict[str, Any], entries: list[_Entry], keys: list[str], common: Tensor
+        self, group: dict[str, Any], entries: list[_Entry], keys: list[str], unscale: Tensor
     ) -> None:
         """Upcast and unscale the gradients slice by slice, and update each slice."""
         sizes = [(e.param.numel(), e.splittable) for e in entries]
         largest_whole = max((n for n, splittable in sizes if not splittable), default=0)
         capacity = max(min(SLICE_ELEMENTS, sum(n for n, _ in sizes)), largest_whole)
-        buffer = torch.empty(capacity, dtype=torch.float32, device=common.device)
-        factors = [common if e.storage_scale is None else common / e.storage_scale for e in entries]
+        buffer = torch.empty(capacity, dtype=torch.float32, device=unscale.device)
+        factors = [
+            unscale if e.storage_scale is None else unscale / e.storage_scale for e in entries
+        ]
         for batch in _slices(sizes, SLICE_ELEMENTS):
             params: list[Tensor] = []
             grads: list[Tensor] = []
@@ -359,7 +382,68 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             for destination, values, position in created:
                 destination.copy_(values[position])
 
+    # ------------------------------------------------------------------ fused=True
+
+    def _fused_ready(self, group: dict[str, Any], entries: list[_Entry]) -> bool:
+        """Whether this group steps with the compiled kernels now.
+
+        Only once every parameter has its state: the first step runs the default path, which
+        creates the state exactly as the parent does (and skips without creating any).
+        """
+        if not group.get("fused") or not _fused.available():
+            return False
+        keys = self._state_keys(group)
+        return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
+
+    def _fused_step_group(
+        self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor, skip: Tensor
+    ) -> None:
+        keys = self._state_keys(group)
+        hyperparameters = self._fused_hyperparameters(group)
+        flags = self._fused_flags(group)
+        # maximize: the kernels get the negated gradient, as torch's update negates it.
+        signed_unscale = -unscale if group["maximize"] else unscale
+        for index, e in enumerate(entries):
+            state = self.state.get(e.param, {})
+            step = state.get("step")
+            if step is not None and step.device != e.param.device:
+                step = state["step"] = step.to(e.param.device)  # from a non-fused checkpoint
+            e.plan(keys, state)
+            tensors = [e.param_view, e.grad_view, *e.state_views]
+            if e.splittable:
+                tensors = [_fused.flat_alias(t) for t in tensors]
+            param, grad, *state_tensors = tensors
+            views = dict(zip(keys, state_tensors, strict=True))
+            factor = signed_unscale
+            if e.storage_scale is not None:
+                factor = factor / e.storage_scale
+            ran = _fused.run(
+                self._fused_kernel,
+                param.detach(),  # compiled code must not see the parameter's 16-bit .grad
+                grad,
+                factor.to(e.param.device),
+                skip.to(e.param.device),
+                step,
+                *[views.get(key) for key in self._fused_state_order],
+                *hyperparameters,
+                **flags,
+            )
+            if not ran:  # no compiler: the rest of the step takes the default path
+                if not bool(skip):
+                    self._step_group(group, entries[index:], unscale)
+                return
+
     # ------------------------------------------------------------------ per optimizer
+
+    # The compiled update (``_fused.py``), its state arguments in order, its numbers and flags.
+    _fused_kernel: Callable[..., None]
+    _fused_state_order: tuple[str, ...] = ()
+
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+        raise NotImplementedError
+
+    def _fused_flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        return {}
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         """Elementwise float32 state tensors the update reads for this group, in order."""

@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from ._core import MixedPrecisionOptimizer
+from ._fused import adam_kernel, scalars
 
 __all__ = ["Adam"]
 
@@ -20,6 +21,9 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
+    _fused_kernel = staticmethod(adam_kernel)
+    _fused_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         keys = ["exp_avg", "exp_avg_sq"]
         if group["amsgrad"]:
@@ -29,7 +33,9 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         if len(state) != 0:
             return
-        state["step"] = torch.zeros((), dtype=torch.float32)
+        # As the parent does, a fused optimizer keeps its step on the device.
+        device = param.device if group["fused"] else None
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         for key in self._state_keys(group):
             state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
@@ -58,4 +64,17 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             maximize=group["maximize"],
             foreach=group["foreach"],
             decoupled_weight_decay=group["decoupled_weight_decay"],
+        )
+
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+        beta1, beta2 = group["betas"]
+        weight_decay = group["weight_decay"]
+        decoupled = group["decoupled_weight_decay"]
+        return scalars(
+            group["lr"],
+            beta1,
+            beta2,
+            group["eps"],
+            0.0 if decoupled else weight_decay,
+            weight_decay if decoupled else 0.0,
         )

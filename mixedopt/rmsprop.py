@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.optim.rmsprop import rmsprop
 
 from ._core import MixedPrecisionOptimizer
+from ._fused import rmsprop_kernel, scalars
 
 __all__ = ["RMSprop"]
 
@@ -17,8 +18,19 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     """:class:`torch.optim.RMSprop` with float32 master weights and 16-bit gradients.
 
     Takes every argument of the parent, with the same defaults, plus the keyword-only
-    ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
+    ``grad_dtype``, ``max_grad_norm`` and ``fused`` (which ``torch.optim.RMSprop`` lacks): see
+    :class:`mixedopt.MixedPrecisionOptimizer`.
     """
+
+    _fused_kernel = staticmethod(rmsprop_kernel)
+    _fused_state_order = ("square_avg", "momentum_buffer", "grad_avg")
+
+    def __init__(self, params: Any, *args: Any, fused: bool | None = None, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        if fused is not None:  # without it, the param groups are exactly the parent's
+            self.defaults["fused"] = fused
+            for group in self.param_groups:
+                group.setdefault("fused", fused)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         keys = ["square_avg"]
@@ -31,7 +43,9 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         if len(state) != 0:
             return
-        state["step"] = torch.zeros((), dtype=torch.float32)
+        # Like torch.optim.Adam(fused=True), a fused optimizer keeps its step on the device.
+        device = param.device if group.get("fused") else None
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         for key in self._state_keys(group):
             state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
@@ -59,3 +73,11 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             foreach=group["foreach"],
             maximize=group["maximize"],
         )
+
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+        return scalars(
+            group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]
+        )
+
+    def _fused_flags(self, group: dict[str, Any]) -> dict[str, bool]:
+        return {"centered": group["centered"]}

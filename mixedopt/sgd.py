@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 from ._core import MixedPrecisionOptimizer
+from ._fused import scalars, sgd_kernel
 
 __all__ = ["SGD"]
 
@@ -19,6 +20,9 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
     Takes every argument of the parent, with the same defaults, plus the keyword-only
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
+
+    _fused_kernel = staticmethod(sgd_kernel)
+    _fused_state_order = ("momentum_buffer",)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         return ["momentum_buffer"] if group["momentum"] != 0 else []
@@ -46,3 +50,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             maximize=group["maximize"],
             foreach=group["foreach"],
         )
+
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+        numbers = scalars(group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+        return [*numbers, torch.tensor(group["nesterov"])]
