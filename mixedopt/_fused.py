@@ -29,7 +29,9 @@ def _keep_if(skip: Tensor, old: Tensor, new: Tensor) -> None:
 # Every kernel takes ``unscale``: the factor that turns the stored gradient into the true one,
 # negated for ``maximize``. Options that only change numbers (weight decay 0 or not, maximize,
 # nesterov) are tensors, so that they do not multiply the compiled variants; options that change
-# which state tensors exist are Python booleans.
+# which state tensors exist are Python booleans. Hyperparameters arrive as float64 and the
+# coefficients derived from them (1 - beta2, bias corrections, ...) are computed in float64 and
+# then rounded, as torch.optim computes them in Python before its float32 kernels.
 
 
 def rmsprop_kernel(
@@ -50,21 +52,21 @@ def rmsprop_kernel(
     centered: bool,
 ) -> None:
     """The update of ``torch.optim.RMSprop`` (``_single_tensor_rmsprop``)."""
-    g = grad.float() * unscale + weight_decay * param
-    new_square_avg = square_avg * alpha + (1 - alpha) * g * g
+    g = grad.float() * unscale + weight_decay.float() * param
+    new_square_avg = square_avg * alpha.float() + (1 - alpha).float() * g * g
     if centered:
         assert grad_avg is not None
-        new_grad_avg = torch.lerp(grad_avg, g, 1 - alpha)
-        avg = (new_square_avg - new_grad_avg * new_grad_avg).sqrt() + eps
+        new_grad_avg = torch.lerp(grad_avg, g, (1 - alpha).float())
+        avg = (new_square_avg - new_grad_avg * new_grad_avg).sqrt() + eps.float()
         _keep_if(skip, grad_avg, new_grad_avg)
     else:
-        avg = new_square_avg.sqrt() + eps
+        avg = new_square_avg.sqrt() + eps.float()
     if momentum_buffer is not None:
-        new_buffer = momentum_buffer * momentum + g / avg
-        new_param = param - lr * new_buffer
+        new_buffer = momentum_buffer * momentum.float() + g / avg
+        new_param = param - lr.float() * new_buffer
         _keep_if(skip, momentum_buffer, new_buffer)
     else:
-        new_param = param - lr * (g / avg)
+        new_param = param - lr.float() * (g / avg)
     _keep_if(skip, square_avg, new_square_avg)
     _keep_if(skip, param, new_param)
     _keep_if(skip, step, step + 1)
@@ -91,19 +93,19 @@ def adam_kernel(
     ``weight_decay`` is Adam's (added to the gradient), ``decoupled_weight_decay`` AdamW's
     (applied to the weights); the other one is 0.
     """
-    g = grad.float() * unscale + weight_decay * param
+    g = grad.float() * unscale + weight_decay.float() * param
     new_step = step + 1
-    new_exp_avg = torch.lerp(exp_avg, g, 1 - beta1)
-    new_exp_avg_sq = exp_avg_sq * beta2 + (1 - beta2) * g * g
-    step_size = lr / (1 - beta1**new_step)
-    bias_correction2_sqrt = (1 - beta2**new_step).sqrt()
+    new_exp_avg = torch.lerp(exp_avg, g, (1 - beta1).float())
+    new_exp_avg_sq = exp_avg_sq * beta2.float() + (1 - beta2).float() * g * g
+    step_size = (lr / (1 - beta1 ** new_step.double())).float()
+    bias_correction2_sqrt = (1 - beta2 ** new_step.double()).sqrt().float()
     if max_exp_avg_sq is not None:  # amsgrad
         new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)
-        denom = new_max.sqrt() / bias_correction2_sqrt + eps
+        denom = new_max.sqrt() / bias_correction2_sqrt + eps.float()
         _keep_if(skip, max_exp_avg_sq, new_max)
     else:
-        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    decayed = param * (1 - lr * decoupled_weight_decay)
+        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps.float()
+    decayed = param * (1 - lr * decoupled_weight_decay).float()
     _keep_if(skip, param, decayed - step_size * (new_exp_avg / denom))
     _keep_if(skip, exp_avg, new_exp_avg)
     _keep_if(skip, exp_avg_sq, new_exp_avg_sq)
@@ -124,12 +126,12 @@ def sgd_kernel(
     nesterov: Tensor,
 ) -> None:
     """The update of ``torch.optim.SGD``, momentum buffer present (``_single_tensor_sgd``)."""
-    g = grad.float() * unscale + weight_decay * param
+    g = grad.float() * unscale + weight_decay.float() * param
     if momentum_buffer is not None:
-        new_buffer = momentum_buffer * momentum + (1 - dampening) * g
-        g = torch.where(nesterov, g + momentum * new_buffer, new_buffer)
+        new_buffer = momentum_buffer * momentum.float() + (1 - dampening).float() * g
+        g = torch.where(nesterov, g + momentum.float() * new_buffer, new_buffer)
         _keep_if(skip, momentum_buffer, new_buffer)
-    _keep_if(skip, param, param - lr * g)
+    _keep_if(skip, param, param - lr.float() * g)
 
 
 def flat_alias(t: Tensor) -> Tensor:
@@ -143,8 +145,8 @@ def flat_alias(t: Tensor) -> Tensor:
 
 
 def scalars(*values: float | Tensor) -> list[Tensor]:
-    """Hyperparameters as 0-dim float32 tensors: a new value does not recompile."""
-    return [torch.as_tensor(v, dtype=torch.float32) for v in values]
+    """Hyperparameters as 0-dim float64 tensors: a new value does not recompile."""
+    return [torch.as_tensor(v, dtype=torch.float64) for v in values]
 
 
 _compiled: dict[Callable[..., None], Callable[..., None]] = {}

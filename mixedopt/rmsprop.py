@@ -26,6 +26,8 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     _fused_state_order = ("square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(self, params: Any, *args: Any, fused: bool | None = None, **kwargs: Any) -> None:
+        if fused and kwargs.get("foreach"):  # as torch.optim.Adam and SGD say
+            raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
         super().__init__(params, *args, **kwargs)
         if fused is not None:  # without it, the param groups are exactly the parent's
             self.defaults["fused"] = fused

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
+from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
+import mixedopt._core
 
 OPTIMIZERS = {
     "RMSprop": (mixedopt.RMSprop, torch.optim.RMSprop),
@@ -48,3 +51,139 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     if denominator == 0:
         return float(torch.linalg.vector_norm(approx.double()))
     return float(torch.linalg.vector_norm(approx.double() - exact) / denominator)
+
+
+SHAPES = st.lists(
+    st.sampled_from([(), (0,), (1,), (5,), (3, 4), (2, 3, 2), (17,), (64,)]), min_size=1, max_size=4
+)
+LR = st.floats(min_value=1e-4, max_value=0.1)
+WEIGHT_DECAY = st.sampled_from([0.0, 1e-2])
+
+
+@st.composite
+def hyperparameters(draw, name):
+    foreach = draw(st.sampled_from([None, False, True]))
+    maximize = draw(st.booleans())
+    if name == "RMSprop":
+        return dict(
+            lr=draw(LR),
+            alpha=draw(st.floats(min_value=0.5, max_value=0.999)),
+            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            momentum=draw(st.sampled_from([0.0, 0.9])),
+            centered=draw(st.booleans()),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name in ("Adam", "AdamW"):
+        return dict(
+            lr=draw(LR),
+            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
+            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            amsgrad=draw(st.booleans()),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    momentum = draw(st.sampled_from([0.0, 0.9]))
+    nesterov = momentum > 0 and draw(st.booleans())
+    return dict(
+        lr=draw(LR),
+        momentum=momentum,
+        dampening=0.0 if nesterov else draw(st.sampled_from([0.0, 0.3])),
+        nesterov=nesterov,
+        weight_decay=draw(WEIGHT_DECAY),
+        foreach=foreach,
+        maximize=maximize,
+    )
+
+
+@st.composite
+def scenarios(draw):
+    name = draw(st.sampled_from(sorted(OPTIMIZERS)))
+    return dict(
+        name=name,
+        kwargs=draw(hyperparameters(name)),
+        shapes=draw(SHAPES),
+        magnitudes=draw(st.lists(st.floats(-9, 6), min_size=1, max_size=4)),
+        steps=draw(st.integers(1, 4)),
+        slice_elements=draw(st.sampled_from([1 << 20, 7, 1])),
+        seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@contextlib.contextmanager
+def slice_elements(n):
+    """Make step() cut the gradients into slices of ``n`` elements."""
+    saved = mixedopt._core.SLICE_ELEMENTS
+    mixedopt._core.SLICE_ELEMENTS = n
+    try:
+        yield
+    finally:
+        mixedopt._core.SLICE_ELEMENTS = saved
+
+
+class Twins:
+    """The same parameters under a mixedopt optimizer and under a reference optimizer.
+
+    The reference is the torch.optim parent unless ``reference`` builds another one (from the
+    parameters and the scenario's keyword arguments).
+    """
+
+    def __init__(self, name, kwargs, shapes, seed, reference=None, **extra):
+        generator = torch.Generator().manual_seed(seed)
+        self.generator = generator
+        data = [torch.randn(shape, generator=generator) for shape in shapes]
+        self.params = [nn.Parameter(d.clone()) for d in data]
+        self.ref_params = [nn.Parameter(d.clone()) for d in data]
+        mixed_cls, torch_cls = OPTIMIZERS[name]
+        self.opt = mixed_cls(self.params, **kwargs, **extra)
+        self.ref = (reference or torch_cls)(self.ref_params, **kwargs)
+        self.largest = {}  # id of a reference tensor -> largest magnitude it has held
+
+    def backward(self, magnitude, scaler=None):
+        """Store a gradient through autograd; return the float32 gradients it stands for."""
+        loss = 0
+        for p in self.params:
+            g = torch.randn(p.shape, generator=self.generator) * 10.0**magnitude
+            loss = loss + (p * g).sum()
+        loss_scale = 1.0
+        if scaler is not None:
+            loss = scaler.scale(loss)
+            loss_scale = scaler.get_scale()
+        loss.backward()
+        return [self.opt.true_grad(p) / loss_scale for p in self.params]
+
+    def feed_reference(self, grads):
+        for q, g in zip(self.ref_params, grads, strict=True):
+            q.grad = g.clone()
+
+    def zero_grad(self):
+        self.opt.zero_grad()
+        self.ref.zero_grad()
+
+    def assert_equal(self, scale_ulps=None):
+        """Weights and state equal to the reference's (``assert_close`` float32 defaults).
+
+        With ``scale_ulps``, an element may also differ by that many float32 ulps of the largest
+        magnitude its tensor has held so far: for kernels that round like the reference but
+        fuse a multiply-add where it does not (or the reverse), a difference of an ulp of the
+        largest term, which cancellation can make large next to a small result.
+        """
+        for p, q in zip(self.params, self.ref_params, strict=True):
+            pairs = [(p, q)]
+            mixed_state, ref_state = self.opt.state[p], self.ref.state[q]
+            assert mixed_state.keys() == ref_state.keys()
+            for key, value in ref_state.items():
+                if torch.is_tensor(value):
+                    assert mixed_state[key].dtype == value.dtype == torch.float32
+                    assert mixed_state[key].shape == value.shape
+                pairs.append((mixed_state[key], value))
+            for mine, theirs in pairs:
+                atol = 1e-5
+                if scale_ulps is not None and torch.is_tensor(theirs) and theirs.numel() > 0:
+                    key = id(theirs)
+                    largest = max(self.largest.get(key, 0.0), float(theirs.abs().max()))
+                    self.largest[key] = largest
+                    atol = max(atol, scale_ulps * 2.0**-23 * largest)
+                torch.testing.assert_close(mine, theirs, rtol=1.3e-6, atol=atol)

@@ -1,0 +1,204 @@
+"""fused=True: the compiled one-pass step, checked against the default path (its reference)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+from helpers import OPTIMIZERS, Twins, scenarios
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import mixedopt
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def unfused(name):
+    """The reference: the same mixedopt optimizer on its default path."""
+    return lambda params, **kwargs: OPTIMIZERS[name][0](params, **kwargs)
+
+
+def graphs_compiled():
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+@given(scenarios(), st.sampled_from([None, 0.5]), st.booleans())
+def test_fused_step_matches_the_default_path(s, max_grad_norm, inject_nan):
+    s["kwargs"]["foreach"] = None  # fused and foreach exclude each other, as in torch.optim
+    twins = Twins(
+        s["name"],
+        s["kwargs"],
+        s["shapes"],
+        s["seed"],
+        reference=unfused(s["name"]),
+        fused=True,
+        max_grad_norm=max_grad_norm,
+    )
+    twins.ref.max_grad_norm = max_grad_norm
+    for step in range(s["steps"] + 1):  # the first step runs the default path
+        grads = twins.backward(s["magnitudes"][step % len(s["magnitudes"])])
+        twins.feed_reference(grads)
+        if inject_nan and step == s["steps"] and twins.params[0].numel() > 0:
+            twins.params[0].grad.view(-1)[0] = float("nan")
+            twins.ref_params[0].grad.view(-1)[0] = float("nan")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
+            twins.opt.step()
+            twins.ref.step()
+        twins.assert_equal(scale_ulps=8)
+        assert twins.opt.skipped_steps == twins.ref.skipped_steps
+        twins.zero_grad()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_changing_the_learning_rate_or_stepping_does_not_recompile(name):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in (3, 40, 1000)]
+    opt = OPTIMIZERS[name][0](params, lr=0.1, fused=True)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(8):
+        if step == 2:  # state exists and the first fused step has compiled
+            compiled = graphs_compiled()
+        for p in params:
+            (p * torch.randn(p.shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+    assert graphs_compiled() == compiled
+
+
+def test_one_compilation_serves_parameters_of_every_rank_and_size():
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(shape)) for shape in [(5,), (6, 7), (2, 3, 4), (2, 2, 3, 3)]]
+    opt = mixedopt.RMSprop(params, fused=True)
+    for step in range(3):
+        for p in params:
+            (p * torch.randn(p.shape)).sum().backward()
+        before = graphs_compiled()
+        opt.step()
+        opt.zero_grad()
+    assert graphs_compiled() - before == 0
+    assert graphs_compiled() >= 1
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_skips_on_inf_with_warning_on_cpu(name):
+    p = nn.Parameter(torch.ones(10))
+    opt = OPTIMIZERS[name][0]([p], lr=0.1, fused=True)
+    for _ in range(2):
+        (p * 2.0).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    state = {k: v.clone() for k, v in opt.state[p].items()}
+    weights = p.detach().clone()
+    (p * float("inf")).sum().backward()
+    with pytest.warns(RuntimeWarning, match="the step was skipped"):
+        opt.step()
+    assert torch.equal(p.detach(), weights)
+    for key, value in state.items():
+        assert torch.equal(opt.state[p][key], value)
+    assert opt.skipped_steps == 1
+
+
+def test_rmsprop_gains_a_fused_argument_and_keeps_the_parents_groups_without_it():
+    p = nn.Parameter(torch.ones(2))
+    assert mixedopt.RMSprop([p], fused=True).param_groups[0]["fused"] is True
+    q = nn.Parameter(torch.ones(2))
+    assert "fused" not in mixedopt.RMSprop([q]).param_groups[0]
+
+
+def test_rmsprop_refuses_fused_with_foreach_as_torch_optim_does():
+    with pytest.raises(RuntimeError, match="`fused` and `foreach` cannot be `True` together"):
+        mixedopt.RMSprop([nn.Parameter(torch.ones(2))], fused=True, foreach=True)
+
+
+def test_fused_state_step_lives_on_the_parameters_device():
+    p = nn.Parameter(torch.ones(2))
+    opt = mixedopt.Adam([p], fused=True)
+    (p * 2).sum().backward()
+    opt.step()
+    assert opt.state[p]["step"].device == p.device
+
+
+NO_COMPILER = textwrap.dedent(
+    """
+    import warnings
+    import torch, torch._inductor.config as config
+    import mixedopt
+    config.cpp.cxx = ("/nonexistent/c++",)
+    config.fx_graph_cache = False
+    config.autotune_local_cache = False
+    params = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
+    reference = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
+    opt = mixedopt.Adam(params, lr=0.1, fused=True)
+    ref = mixedopt.Adam(reference, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for p, q in zip(params, reference):
+                p.grad = torch.full((100,), 0.5, dtype=torch.float16)
+                q.grad = torch.full((100,), 0.5, dtype=torch.float16)
+            opt.step()
+            ref.step()
+    messages = [str(w.message) for w in caught if "fused=True needs torch.compile" in str(w.message)]
+    assert len(messages) == 1, messages
+    for p, q in zip(params, reference):
+        torch.testing.assert_close(p, q)
+    print("fell back")
+    """
+)
+
+
+def test_without_a_compiler_fused_falls_back_to_the_default_path_with_one_warning(tmp_path):
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", NO_COMPILER], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "fell back" in result.stdout
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_on_cuda_does_not_synchronise_with_the_host(name):
+    params = [nn.Parameter(torch.randn(1000, device="cuda")) for _ in range(3)]
+    opt = OPTIMIZERS[name][0](params, lr=0.1, fused=True)
+    for step in range(3):
+        for p in params:
+            (p * 2.0).sum().backward()
+        if step == 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_on_cuda_matches_the_default_path(name):
+    torch.manual_seed(0)
+    data = [torch.randn(n, device="cuda") for n in (1, 33, 4097)]
+    params = [nn.Parameter(d.clone()) for d in data]
+    reference = [nn.Parameter(d.clone()) for d in data]
+    opt = OPTIMIZERS[name][0](params, lr=0.01, fused=True)
+    ref = OPTIMIZERS[name][0](reference, lr=0.01)
+    for _ in range(4):
+        for p, q in zip(params, reference, strict=True):
+            g = torch.randn(p.shape, device="cuda") * 1e-5
+            (p * g).sum().backward()
+            (q * g).sum().backward()
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
