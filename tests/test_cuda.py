@@ -1,0 +1,80 @@
+"""The same behaviour on a CUDA device (skipped where there is none)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import OPTIMIZERS, relative_error
+from torch import nn
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 10)).cuda()
+
+
+def cuda_grads(model, x):
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = model(x).float().square().mean()
+    return loss
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_default_step_on_cuda_matches_torch_optim(name):
+    model = mlp()
+    ref_model = mlp()
+    opt = OPTIMIZERS[name][0](model.parameters(), lr=1e-3)
+    ref = OPTIMIZERS[name][1](ref_model.parameters(), lr=1e-3)
+    for _ in range(3):
+        x = torch.randn(32, 64, device="cuda")
+        cuda_grads(model, x).backward()
+        assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+        for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+            q.grad = opt.true_grad(p)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_backward_hooks_do_not_synchronise_with_the_host():
+    model = mlp()
+    opt = OPTIMIZERS["Adam"][0](model.parameters())
+    x = torch.randn(32, 64, device="cuda")
+    for _ in range(2):  # the second backward accumulates
+        loss = cuda_grads(model, x)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert opt.grad_dtype == torch.float16
+
+
+def test_small_gradients_keep_fp16_precision_on_cuda():
+    p = nn.Parameter(torch.zeros(4096, device="cuda"))
+    opt = OPTIMIZERS["SGD"][0]([p], lr=0.1)
+    g = torch.randn(4096, device="cuda") * 1e-9
+    (p * g).sum().backward()
+    assert relative_error(opt.true_grad(p).cpu(), g.cpu()) <= 1e-3
+
+
+def test_grad_scaler_on_cuda_skips_inf_steps():
+    model = mlp()
+    opt = OPTIMIZERS["AdamW"][0](model.parameters(), max_grad_norm=1.0)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(32, 64, device="cuda")
+    scaler.scale(cuda_grads(model, x)).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.scale(cuda_grads(model, x) * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
+    assert opt.skipped_steps == 1
