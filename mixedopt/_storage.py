@@ -132,7 +132,8 @@ class GradientStorage:
             )
 
     def install(self, param: Tensor) -> None:
-        if param in self:
+        """Make ``param.grad`` land in ``grad_dtype`` (frozen parameters are left alone)."""
+        if param in self or not param.requires_grad:
             return
         self.check_can_manage(param)
         slot = _Slot(param)

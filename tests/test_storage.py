@@ -267,3 +267,14 @@ def test_add_param_group_installs_storage_for_new_parameters():
         loss = head(model(torch.randn(4, 6))).float().sum()
     loss.backward()
     assert all(p.grad.dtype == torch.float16 for p in head.parameters())
+
+
+def test_frozen_parameters_are_accepted_and_left_alone():
+    model = small_model()
+    model[0].weight.requires_grad_(False)
+    opt = mixedopt.Adam(model.parameters())
+    autocast_backward(model, torch.randn(4, 6))
+    assert model[0].weight.grad is None
+    assert model[0].weight.grad_dtype == torch.float32
+    assert model[2].weight.grad.dtype == torch.float16
+    opt.step()
