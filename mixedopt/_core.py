@@ -36,6 +36,7 @@ class _Entry:
     param: Tensor
     grad: Tensor  # p.grad: float16/bfloat16 (scaled) or float32
     storage_scale: Tensor | None  # None: grad holds true values
+    known_abs_max: Tensor | None = None  # bound on |true grad| measured by backward, if current
     state: dict[str, Any] = field(default_factory=dict)  # the optimizer's state for param
     # When param, grad and every state tensor are dense in the same layout, 1-D views of them
     # in storage order, which step() cuts into slices; else the tensors themselves, taken whole.
@@ -73,6 +74,19 @@ def _flat(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
     """A 1-D view of ``t`` in storage order, or None when ``t`` is not dense in ``order``."""
     permuted = t.permute(order)
     return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def _l2_norm(grad: Tensor) -> Tensor:
+    """L2 norm in float32, slice by slice: no float32 copy of a whole large gradient."""
+    order = _dense_order(grad)
+    if order is None or grad.numel() <= SLICE_ELEMENTS:
+        return torch.linalg.vector_norm(grad, dtype=torch.float32)
+    flat = _flat(grad, order)
+    parts = [
+        torch.linalg.vector_norm(flat[start : start + SLICE_ELEMENTS], dtype=torch.float32)
+        for start in range(0, flat.numel(), SLICE_ELEMENTS)
+    ]
+    return torch.linalg.vector_norm(torch.stack(parts))
 
 
 def _slices(
@@ -288,7 +302,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     f"mixedopt.{name} got a gradient of dtype {grad.dtype}; a gradient must be "
                     "float16, bfloat16 or float32"
                 )
-            found.append(_Entry(p, grad, self._grad_storage.scale_of(p)))
+            storage = self._grad_storage
+            found.append(_Entry(p, grad, storage.scale_of(p), storage.known_abs_max(p)))
         return found
 
     def _unscale_and_skip(
@@ -310,7 +325,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if self.max_grad_norm is not None:
             norms = []
             for e in entries:
-                norm = torch.linalg.vector_norm(e.grad, dtype=torch.float32)
+                norm = _l2_norm(e.grad)
                 if e.storage_scale is not None:
                     norm = norm / e.storage_scale
                 norms.append(norm.to(device))
@@ -319,8 +334,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             skip = skip | ~torch.isfinite(total)
             unscale = unscale * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         elif found_inf is None:
-            amax = torch.stack([abs_max(e.grad).to(device) for e in entries])
-            skip = ~amax.isfinite().all()
+            # Backward measured most gradients already: only the others are read here.
+            amax = [
+                abs_max(e.grad) if e.known_abs_max is None else e.known_abs_max for e in entries
+            ]
+            skip = ~torch.stack([a.to(device) for a in amax]).isfinite().all()
         return unscale, skip
 
     def _step_group(self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor) -> None:

@@ -185,6 +185,23 @@ class GradientStorage:
             return None
         return slot.scale
 
+    def known_abs_max(self, param: Tensor) -> Tensor | None:
+        """A bound on ``|true gradient|`` of ``param`` known without reading ``param.grad``.
+
+        Measured when backward stored the gradient (inf or NaN there makes it inf or NaN);
+        ``None`` when ``p.grad`` was assigned or changed since.
+        """
+        slot = self._slots.get(id(param))
+        grad = param.grad
+        if (
+            slot is None
+            or grad is None
+            or not slot.owns(grad)
+            or grad._version != slot.grad_version
+        ):
+            return None
+        return slot.amax
+
     def true_grad(self, param: Tensor) -> Tensor | None:
         """The true gradient of ``param`` as a new float32 tensor (``None`` where it has none)."""
         grad = param.grad

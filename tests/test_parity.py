@@ -31,7 +31,8 @@ def test_max_grad_norm_equals_clip_grad_norm_on_fp32_gradients(s, max_norm):
         grads = twins.backward(s["magnitudes"][step % len(s["magnitudes"])] / 3)
         twins.feed_reference(grads)
         total = torch.nn.utils.clip_grad_norm_(twins.ref_params, max_norm)
-        twins.opt.step()
+        with slice_elements(s["slice_elements"]):  # norms of large gradients go slice by slice
+            twins.opt.step()
         twins.ref.step()
         torch.testing.assert_close(twins.opt.last_grad_norm, total)
         twins.assert_equal()
