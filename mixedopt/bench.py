@@ -1,0 +1,811 @@
+"""``python -m mixedopt.bench``: optimizer step time and memory, torch.optim next to mixedopt.
+
+For every optimizer (RMSprop, Adam, AdamW, SGD with momentum 0.9) and every variant
+
+* ``torch-foreach``: ``torch.optim.X(foreach=True)`` on float32 gradients,
+* ``torch-fused``: ``torch.optim.X(fused=True)`` on float32 gradients, where torch has it,
+* ``mixedopt``: ``mixedopt.X`` with its defaults (float16 gradients),
+* ``mixedopt-fused``: ``mixedopt.X(fused=True)``,
+
+the benchmark builds ``--params`` float32 parameters of ``--numel`` elements, gives them their
+gradients through a real ``backward()`` (so that mixedopt stores them the way it does in training:
+float16 with a power-of-two scale), and times ``step()`` alone: the gradients are kept across
+steps, nothing is zeroed. Every variant gets fresh parameters with the same values. A variant
+whose construction or step raises is shown as unavailable, with the first line of the error as
+the reason; warnings raised by its steps go to the note column.
+
+Columns
+    * median step time over ``--repeat`` steps that follow the first step (which creates the
+      state and is timed on its own; ``mixedopt-fused`` compiles in its second step, whose time
+      is shown beside it as ``compile``) and
+      ``--warmup`` more steps (also timed, into the JSON file; a warm-up step far slower than
+      the first step and the median, a late recompilation say, is named in the note column);
+      the ratio to the ``torch-foreach`` row of the same optimizer;
+    * persistent bytes per parameter: the ``nbytes`` of the weights, the gradients and every
+      tensor in the optimizer state (0-dim step counters included), over the number of elements;
+    * peak extra memory of one step once the state exists (see below);
+    * achieved GB/s: the bytes a step has to move at the very least (per element: read the
+      gradient, 2 B in float16 or 4 B in float32; read and write the weight, 8 B; read and write
+      each state tensor, 8 B each) over the median time, and that as a fraction of the stream
+      bandwidth measured at the start of the run: the median time of ``x.add_(1)`` on a float32
+      tensor of ``--stream-mib`` MiB, counted as 2 x its size (read and write). An optimizer
+      updates its tensors in place, and so does this reference. ``torch.add(x, 1, out=y)`` (the
+      STREAM "add" shape, 2 x nbytes) is measured too and written to the JSON file: on CPU it is
+      slower, since writing ``y`` also reads it into the cache first, and would put in-place
+      updates above 100%. A step can still exceed 100% when its tensors fit in the caches.
+
+On a CPU shared with other busy processes, torch's worker threads wait on one another at
+every operation and step times can grow tenfold; ``--threads 1`` gives steadier numbers there.
+
+Peak memory on CPU
+    Each variant is set up again in a fresh child process (this module run with a hidden flag),
+    so that nothing another variant allocated is mixed into its numbers. The child builds the
+    parameters, gradients and optimizer, runs the first step and the warm-up steps, then writes
+    ``5`` to ``/proc/self/clear_refs``, which resets the kernel's resident-set high-water mark
+    (VmHWM) to the current resident size (Linux 4.0 and later). It reads VmRSS (the baseline),
+    runs one step and reads VmHWM: peak extra = VmHWM - baseline, every page the step touched
+    beyond what was already resident, however briefly. The child checks that the reset took
+    (VmHWM no longer above VmRSS). Where it did not, the result is still exact when the step set
+    a new high (VmHWM rose during the step: the peak was reached in the step), and otherwise only
+    an upper bound is known, ``VmHWM - baseline``, which the table prints as ``<= x``.
+
+    The child runs with glibc's malloc told to hand every block of 128 KiB or more straight to
+    ``mmap`` and back to the kernel on ``free`` (``MALLOC_MMAP_THRESHOLD_`` fixed, which also stops
+    glibc from raising that threshold after the first large ``free``, and
+    ``MALLOC_TRIM_THRESHOLD_``). Without this, memory freed by the warm-up steps can stay
+    resident in the heap: the measured step would reuse it without raising the high-water mark,
+    and its temporaries would go unseen. With it, resident memory follows the tensors alive at
+    each moment. The timing runs in the parent process, with the default allocator settings.
+
+Peak memory on CUDA
+    ``torch.cuda.reset_peak_memory_stats()`` before the step, then
+    ``max_memory_allocated() - memory_allocated()`` (the value before the step): the allocator's
+    own count of live bytes, exact and per process, so it is measured in the parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import inspect
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import mixedopt
+
+# name on the command line -> (class name in torch.optim and mixedopt, constructor arguments)
+OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
+    "rmsprop": ("RMSprop", {"lr": 1e-3}),
+    "adam": ("Adam", {"lr": 1e-3}),
+    "adamw": ("AdamW", {"lr": 1e-3}),
+    "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9}),
+}
+VARIANTS: dict[str, str] = {
+    "torch-foreach": "torch foreach",
+    "torch-fused": "torch fused",
+    "mixedopt": "mixedopt default",
+    "mixedopt-fused": "mixedopt fused",
+}
+BASELINE = "torch-foreach"
+
+# Child memory runs: blocks from this size on go to mmap and back to the kernel when freed.
+_MMAP_THRESHOLD = 128 * 1024
+# Slack when checking that VmHWM was reset to VmRSS: reading /proc itself may touch a page or two.
+_RESET_SLACK = 256 * 1024
+_CHILD_FLAG = "--_memory-child"
+_QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning)
+
+
+class Unavailable(Exception):
+    """A variant that cannot be built here; the message says why."""
+
+
+@dataclass
+class Row:
+    """One optimizer x variant: what the table and the JSON file show."""
+
+    optimizer: str
+    variant: str
+    available: bool = True
+    reason: str | None = None
+    first_step_ms: float | None = None
+    first_step_compile_ms: float | None = None  # mixedopt-fused only: step 2, which compiles
+    median_ms: float | None = None
+    step_ms: list[float] = field(default_factory=list)
+    warmup_ms: list[float] = field(default_factory=list)
+    ratio_to_foreach: float | None = None
+    persistent_bytes_per_param: float | None = None
+    grad_dtype: str | None = None
+    state_tensors_per_param: int | None = None
+    min_bytes_per_param: int | None = None
+    achieved_gbps: float | None = None
+    stream_fraction: float | None = None
+    peak_extra_bytes: int | None = None
+    peak_extra_upper_bound: int | None = None  # set instead of peak_extra_bytes when inexact
+    peak_extra_bytes_per_param: float | None = None
+    peak_method: str | None = None
+    peak_error: str | None = None
+    warnings: list[str] = field(default_factory=list)  # first lines, raised by the steps
+
+
+# ---------------------------------------------------------------------------- setting up
+
+
+def _first_line(error: BaseException | Warning | str) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def build(
+    optimizer: str, variant: str, numel: int, count: int, device: torch.device, seed: int = 0
+) -> tuple[list[nn.Parameter], torch.optim.Optimizer]:
+    """Parameters with their gradients, and the optimizer of ``variant`` over them.
+
+    Raises:
+        Unavailable: the variant cannot be constructed here (the message says why).
+    """
+    class_name, kwargs = OPTIMIZERS[optimizer]
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params = [
+        nn.Parameter(torch.randn(numel, generator=generator, device=device)) for _ in range(count)
+    ]
+    if variant == "torch-foreach":
+        opt = getattr(torch.optim, class_name)(params, foreach=True, **kwargs)
+    elif variant == "torch-fused":
+        cls = getattr(torch.optim, class_name)
+        if "fused" not in inspect.signature(cls.__init__).parameters:
+            raise Unavailable(f"torch.optim.{class_name} has no fused implementation")
+        try:
+            opt = cls(params, fused=True, **kwargs)
+        except Exception as error:  # whatever the reason, the row says it
+            raise Unavailable(_first_line(error)) from None
+    elif variant == "mixedopt":
+        opt = getattr(mixedopt, class_name)(params, **kwargs)
+    elif variant == "mixedopt-fused":
+        try:
+            opt = getattr(mixedopt, class_name)(params, fused=True, **kwargs)
+        except Exception as error:  # whatever the reason, the row says it
+            raise Unavailable(_first_line(error)) from None
+    else:
+        raise ValueError(f"unknown variant {variant!r}")
+    # The optimizer exists first: a mixedopt one decides what backward() leaves in .grad. The
+    # gradient of sum(p * c) is c; one parameter at a time, to keep the set-up peak small.
+    for p in params:
+        c = torch.randn(numel, generator=generator, device=device).mul_(1e-2)
+        (p * c).sum().backward()
+        del c
+    return params, opt
+
+
+def teardown(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
+    """Drop the gradients first, so that releasing mixedopt's storage converts nothing.
+
+    The optimizer and its parameters sit in reference cycles: ``gc.collect()`` frees them.
+    """
+    for p in params:
+        p.grad = None
+    remove = getattr(opt, "remove_grad_storage", None)
+    if remove is not None:
+        remove()
+    opt.state.clear()
+
+
+def persistent_bytes(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> int:
+    """Bytes held by the weights, their gradients and every tensor of the optimizer state."""
+    total = 0
+    for p in params:
+        total += p.nbytes
+        if p.grad is not None:
+            total += p.grad.nbytes
+        for value in opt.state.get(p, {}).values():
+            if torch.is_tensor(value):
+                total += value.nbytes
+    return total
+
+
+def full_state_tensors(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> int:
+    """State tensors with as many elements as their parameter (what a step reads and writes)."""
+    p = params[0]
+    state = opt.state.get(p, {})
+    return sum(1 for v in state.values() if torch.is_tensor(v) and v.numel() == p.numel())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+    _synchronize(device)
+    start = time.perf_counter()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - start
+
+
+def stream_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> dict[str, float]:
+    """Bytes per second of ``x.add_(1)`` and of ``torch.add(x, 1, out=y)``, 2 x nbytes each."""
+    x = torch.ones(mib * 2**20 // 4, device=device)
+    y = torch.empty_like(x)
+    kernels = {"inplace": lambda: x.add_(1), "out": lambda: torch.add(x, 1, out=y)}
+    found = {}
+    for name, kernel in kernels.items():
+        for _ in range(2):
+            kernel()
+        seconds = statistics.median(_timed(kernel, device) for _ in range(repeat))
+        found[name] = 2 * x.nbytes / seconds
+    return found
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+def _proc_status() -> dict[str, int]:
+    """VmRSS and VmHWM of this process, in bytes."""
+    found = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                found[key] = int(value.split()[0]) * 1024
+    return found
+
+
+def _reset_hwm() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        pass  # the caller sees that VmHWM stayed above VmRSS
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass  # not glibc
+
+
+def child_memory(spec: dict[str, Any]) -> dict[str, Any]:
+    """In a fresh process: the peak extra resident memory of one step (see the module doc)."""
+    device = torch.device("cpu")
+    params, opt = build(spec["optimizer"], spec["variant"], spec["numel"], spec["params"], device)
+    for _ in range(1 + max(1, spec["warmup"])):
+        opt.step()
+    gc.collect()
+    _malloc_trim()
+    _reset_hwm()
+    before = _proc_status()
+    opt.step()
+    after = _proc_status()
+    baseline = before["VmRSS"]
+    reset = before["VmHWM"] <= baseline + _RESET_SLACK
+    rose = after["VmHWM"] > before["VmHWM"]
+    result: dict[str, Any] = {
+        "baseline_rss": baseline,
+        "hwm_before": before["VmHWM"],
+        "hwm_after": after["VmHWM"],
+        "reset": reset,
+        "live_bytes": persistent_bytes(params, opt),
+    }
+    if reset or rose:
+        result["peak_extra_bytes"] = max(0, after["VmHWM"] - baseline)
+        result["method"] = "VmHWM after clear_refs reset" if reset else "VmHWM rose during step"
+    else:
+        result["peak_extra_upper_bound"] = after["VmHWM"] - baseline
+        result["method"] = "VmHWM not resettable: upper bound"
+    teardown(params, opt)
+    return result
+
+
+def measure_memory_in_child(spec: dict[str, Any], threads: int) -> dict[str, Any]:
+    """Run :func:`child_memory` in a new interpreter; its result, or ``{"error": ...}``."""
+    env = dict(os.environ)
+    env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
+    env["MALLOC_TRIM_THRESHOLD_"] = str(_MMAP_THRESHOLD)
+    package_root = str(Path(mixedopt.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "mixedopt.bench", "--threads", str(threads)]
+    command += ["--device", "cpu", _CHILD_FLAG, json.dumps(spec)]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    except subprocess.TimeoutExpired:
+        return {"error": "the memory child timed out"}
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        tail = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        return {"error": f"the memory child failed: {tail}"}
+    return json.loads(lines[-1])
+
+
+def cuda_peak(opt: torch.optim.Optimizer, device: torch.device) -> int:
+    """Peak extra bytes the CUDA caching allocator handed out during one step."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    opt.step()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
+
+
+# ---------------------------------------------------------------------------- one variant
+
+
+def run_variant(args: argparse.Namespace, optimizer: str, variant: str) -> Row:
+    """Time one optimizer x variant in this process (and its CUDA peak, on CUDA)."""
+    row = Row(optimizer, variant)
+    device = torch.device(args.device)
+    try:
+        params, opt = build(optimizer, variant, args.numel, args.params, device)
+    except Unavailable as why:
+        row.available, row.reason = False, str(why)
+        return row
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                row.first_step_ms = 1e3 * _timed(opt.step, device)
+                row.warmup_ms = [1e3 * _timed(opt.step, device) for _ in range(args.warmup)]
+                row.step_ms = [1e3 * _timed(opt.step, device) for _ in range(args.repeat)]
+            except Exception as error:  # a variant that builds but cannot step: shown as such
+                row.available = False
+                row.reason = f"step() raised {type(error).__name__}: {_first_line(error)}"
+                row.first_step_ms, row.warmup_ms, row.step_ms = None, [], []
+                return row
+        # Deprecation notices come from torch's own imports (torch.compile's, say): not the row's.
+        found = [w for w in caught if not issubclass(w.category, _QUIET_WARNINGS)]
+        row.warnings = list(dict.fromkeys(_first_line(w.message) for w in found))
+        if variant == "mixedopt-fused" and row.warmup_ms:
+            # mixedopt's first step runs the default path (it creates the state as the parent
+            # does); the second is the first compiled one, and pays for the compilation.
+            row.first_step_compile_ms = row.warmup_ms[0]
+        row.median_ms = statistics.median(row.step_ms)
+        elements = args.numel * args.params
+        row.persistent_bytes_per_param = persistent_bytes(params, opt) / elements
+        grad = params[0].grad
+        assert grad is not None
+        row.grad_dtype = str(grad.dtype).removeprefix("torch.")
+        row.state_tensors_per_param = full_state_tensors(params, opt)
+        row.min_bytes_per_param = grad.element_size() + 8 + 8 * row.state_tensors_per_param
+        row.achieved_gbps = row.min_bytes_per_param * elements / (row.median_ms / 1e3) / 1e9
+        if device.type == "cuda" and args.memory:
+            row.peak_extra_bytes = cuda_peak(opt, device)
+            row.peak_method = "torch.cuda.max_memory_allocated"
+    finally:
+        teardown(params, opt)
+        del params, opt
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return row
+
+
+# ---------------------------------------------------------------------------- a training iteration
+
+ITERATION_VARIANTS = {
+    "torch AdamW foreach": lambda params: torch.optim.AdamW(params, foreach=True),
+    "mixedopt AdamW": lambda params: mixedopt.AdamW(params),
+    "mixedopt AdamW fused": lambda params: mixedopt.AdamW(params, fused=True),
+}
+
+
+def iteration_benchmark(
+    device: torch.device, width: int, layers: int, batch: int, repeat: int, warmup: int
+) -> list[dict[str, Any]]:
+    """Median time of a whole training iteration of an MLP, per optimizer.
+
+    An iteration is what a training loop does: forward under ``autocast(float16)``, backward
+    (where mixedopt's storage hooks run), ``step()`` and ``zero_grad()``. Every variant starts
+    from the same weights and sees the same batch.
+    """
+    torch.manual_seed(0)
+    template = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+    x = torch.randn(batch, width, device=device)
+    results = []
+    for name, make in ITERATION_VARIANTS.items():
+        model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+        model.load_state_dict(template.state_dict())
+        opt = make(model.parameters())
+
+        def iteration(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
+            with torch.autocast(device.type, dtype=torch.float16):
+                loss = model(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+        for _ in range(warmup + 2):  # mixedopt-fused compiles in its second step
+            iteration()
+        times = [1e3 * _timed(iteration, device) for _ in range(repeat)]
+        results.append({"variant": name, "median_ms": statistics.median(times), "ms": times})
+        if hasattr(opt, "remove_grad_storage"):
+            opt.zero_grad()
+            opt.remove_grad_storage()
+        del model, opt
+        gc.collect()
+    base = results[0]["median_ms"]
+    for result in results:
+        result["ratio"] = result["median_ms"] / base
+    return results
+
+
+def format_iteration(results: list[dict[str, Any]]) -> str:
+    """The iteration benchmark as a markdown table."""
+    lines = ["| optimizer | median iteration (ms) | vs torch AdamW foreach |", "|---|---:|---:|"]
+    for r in results:
+        lines.append(f"| {r['variant']} | {r['median_ms']:.2f} | {r['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "–" if value is None else format(value, spec)
+
+
+def _table_row(row: Row) -> list[str]:
+    label = VARIANTS[row.variant]
+    if not row.available:
+        return [row.optimizer, label, *["–"] * 7, f"unavailable: {row.reason}"]
+    first = _fmt(row.first_step_ms, ".1f")
+    if row.first_step_compile_ms is not None:
+        first += f"; compile {row.first_step_compile_ms:.0f}"
+    if row.peak_extra_bytes is not None:
+        peak = f"{row.peak_extra_bytes / 2**20:.1f}"
+    elif row.peak_extra_upper_bound is not None:
+        peak = f"<= {row.peak_extra_upper_bound / 2**20:.1f}"
+    else:
+        peak = "–"
+    ratio = "–" if row.ratio_to_foreach is None else f"{row.ratio_to_foreach:.2f}x"
+    fraction = "–" if row.stream_fraction is None else f"{100 * row.stream_fraction:.0f}%"
+    return [
+        row.optimizer,
+        label,
+        _fmt(row.median_ms, ".2f"),
+        ratio,
+        first,
+        _fmt(row.persistent_bytes_per_param, ".2f"),
+        peak,
+        _fmt(row.achieved_gbps, ".2f"),
+        fraction,
+        _note(row),
+    ]
+
+
+def _note(row: Row) -> str:
+    notes = [row.peak_error] if row.peak_error else []
+    notes += [f"warning: {text}" for text in row.warnings]
+    # The compiling step of mixedopt-fused has its own column.
+    skipped = 1 if row.first_step_compile_ms is not None else 0
+    if row.warmup_ms[skipped:] and row.first_step_ms is not None and row.median_ms is not None:
+        slowest = max(range(skipped, len(row.warmup_ms)), key=row.warmup_ms.__getitem__)
+        ms = row.warmup_ms[slowest]
+        # A warm-up step far slower than the first and the median: a (re)compilation, say.
+        if ms > row.first_step_ms and ms > 5 * row.median_ms and ms > row.median_ms + 20:
+            notes.append(f"warm-up step {slowest + 2} took {ms:.1f} ms")
+    return "; ".join(notes)
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as an aligned markdown table."""
+    header = [
+        "optimizer",
+        "variant",
+        "median step (ms)",
+        "vs foreach",
+        "first step (ms)",
+        "bytes/param",
+        "peak extra (MiB)",
+        "GB/s",
+        "% of stream",
+        "note",
+    ]
+    right = [False, False, True, True, True, True, True, True, True, False]
+    body = [_table_row(row) for row in rows]
+    widths = [max(len(line[i]) for line in [header, *body]) for i in range(len(header))]
+
+    def render(cells: list[str]) -> str:
+        padded = [
+            cell.rjust(w) if r else cell.ljust(w)
+            for cell, w, r in zip(cells, widths, right, strict=True)
+        ]
+        return "| " + " | ".join(padded) + " |"
+
+    rule = (
+        "|"
+        + "|".join(
+            ("-" * (w + 1) + ":") if r else "-" * (w + 2)
+            for w, r in zip(widths, right, strict=True)
+        )
+        + "|"
+    )
+    return "\n".join([render(header), rule, *(render(cells) for cells in body)])
+
+
+def machine_info(device: torch.device, stream: dict[str, float], mib: int) -> dict[str, Any]:
+    """What the numbers were measured on."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as cpuinfo:
+                for line in cpuinfo:
+                    if line.startswith("model name"):
+                        name = line.partition(":")[2].strip()
+                        break
+        except OSError:
+            pass
+    return {
+        "torch_version": torch.__version__,
+        "mixedopt_version": mixedopt.__version__,
+        "python_version": platform.python_version(),
+        "platform": platform.platform(),
+        "device": str(device),
+        "device_name": name,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "stream_bandwidth_gbps": stream["inplace"] / 1e9,
+        "stream_kernel": f"x.add_(1) on {mib} MiB float32, 2 x nbytes / median time",
+        "stream_add_out_gbps": stream["out"] / 1e9,
+        "stream_mib": mib,
+    }
+
+
+# ---------------------------------------------------------------------------- command line
+
+
+def _choices(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    def parse(text: str) -> list[str]:
+        names = [name.strip().lower() for name in text.split(",") if name.strip()]
+        if not names:
+            raise argparse.ArgumentTypeError(f"give at least one {what}")
+        for name in names:
+            if name not in known:
+                raise argparse.ArgumentTypeError(
+                    f"unknown {what} {name!r}; choose from {', '.join(known)}"
+                )
+        return list(dict.fromkeys(names))
+
+    return parse
+
+
+def _positive(text: str) -> int:
+    value = int(text.replace("_", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
+    return value
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Read the command line."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mixedopt.bench",
+        description="Time optimizer steps and measure their memory: torch.optim (foreach, fused) "
+        "next to mixedopt, on the same parameters and gradients.",
+    )
+    parser.add_argument(
+        "--numel", type=_positive, default=2_000_000, help="elements per parameter (2_000_000)"
+    )
+    parser.add_argument("--params", type=_positive, default=16, help="parameters (default 16)")
+    parser.add_argument(
+        "--optimizers",
+        type=_choices(list(OPTIMIZERS), "optimizer"),
+        default=list(OPTIMIZERS),
+        help=f"comma-separated, from {','.join(OPTIMIZERS)} (default: all)",
+    )
+    parser.add_argument(
+        "--variants",
+        type=_choices(list(VARIANTS), "variant"),
+        default=list(VARIANTS),
+        help=f"comma-separated, from {','.join(VARIANTS)} (default: all)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="default: cuda when available",
+    )
+    parser.add_argument(
+        "--repeat", type=_positive, default=20, help="timed steps per variant (default 20)"
+    )
+    parser.add_argument(
+        "--warmup",
+        type=_non_negative,
+        default=3,
+        help="untimed steps after the first one (default 3)",
+    )
+    parser.add_argument(
+        "--stream-mib",
+        type=_positive,
+        default=256,
+        help="size of the tensor of the stream-bandwidth measurement (default 256)",
+    )
+    parser.add_argument(
+        "--threads",
+        type=_positive,
+        default=None,
+        help="CPU threads for torch (default: torch's own choice)",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write every row and machine info")
+    parser.add_argument(
+        "--no-memory",
+        dest="memory",
+        action="store_false",
+        help="skip the peak-memory measurement (on CPU: one child process per variant)",
+    )
+    parser.add_argument(
+        "--no-iteration",
+        dest="iteration",
+        action="store_false",
+        help="skip the training-iteration benchmark (4-layer MLP, AdamW)",
+    )
+    parser.add_argument(
+        "--mlp-width", type=_positive, default=1024, help="MLP width for the iteration (1024)"
+    )
+    parser.add_argument(
+        "--mlp-batch", type=_positive, default=64, help="batch size for the iteration (64)"
+    )
+    parser.add_argument(_CHILD_FLAG, dest="memory_child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda was asked for, but CUDA is not available")
+    return args
+
+
+class _NoProgress:
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_description_str(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress(total: int) -> Any:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _NoProgress()
+    return tqdm(total=total, file=sys.stderr, unit="run", leave=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the benchmark, print the table; return the exit status."""
+    args = parse_args(argv)
+    threads = torch.get_num_threads()
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.memory_child is not None:
+            print(json.dumps(child_memory(json.loads(args.memory_child))))
+            return 0
+        return _run(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace) -> int:
+
+    device = torch.device(args.device)
+    pairs = [(o, v) for o in args.optimizers for v in args.variants]
+    children = args.memory and device.type == "cpu"
+    progress = _progress(1 + len(pairs) * (2 if children else 1))
+    started = time.perf_counter()
+    try:
+        progress.set_description_str("stream bandwidth")
+        streams = stream_bandwidth(device, args.stream_mib)
+        stream = streams["inplace"]
+        progress.update()
+        rows = []
+        for optimizer, variant in pairs:
+            progress.set_description_str(f"{optimizer} {variant}")
+            rows.append(run_variant(args, optimizer, variant))
+            progress.update()
+        if children:
+            for row in rows:
+                progress.set_description_str(f"{row.optimizer} {row.variant} memory")
+                if row.available:
+                    spec = {
+                        "optimizer": row.optimizer,
+                        "variant": row.variant,
+                        "numel": args.numel,
+                        "params": args.params,
+                        "warmup": args.warmup,
+                    }
+                    _apply_memory(row, measure_memory_in_child(spec, torch.get_num_threads()))
+                progress.update()
+    finally:
+        progress.close()
+    elapsed = time.perf_counter() - started
+
+    elements = args.numel * args.params
+    baseline = {r.optimizer: r.median_ms for r in rows if r.variant == BASELINE and r.median_ms}
+    for row in rows:
+        if row.median_ms is None:
+            continue
+        if row.optimizer in baseline:
+            row.ratio_to_foreach = row.median_ms / baseline[row.optimizer]
+        if row.achieved_gbps is not None:
+            row.stream_fraction = row.achieved_gbps * 1e9 / stream
+        if row.peak_extra_bytes is not None:
+            row.peak_extra_bytes_per_param = row.peak_extra_bytes / elements
+
+    info = machine_info(device, streams, args.stream_mib)
+    print(
+        f"device {device} ({info['device_name']}, {info['torch_threads']} threads) | "
+        f"torch {torch.__version__} | {args.params} params x {args.numel:,} elements "
+        f"= {elements:,} | stream bandwidth {stream / 1e9:.1f} GB/s "
+        f"(x.add_(1) on {args.stream_mib} MiB float32) | median of {args.repeat} steps after "
+        f"1 + {args.warmup} untimed | {elapsed:.0f} s"
+    )
+    print()
+    print(format_table(rows))
+    iteration = []
+    if args.iteration:
+        iteration = iteration_benchmark(
+            device, args.mlp_width, 4, args.mlp_batch, args.repeat, args.warmup
+        )
+        print()
+        print(
+            f"Training iteration (autocast float16 forward, backward, step, zero_grad) of a "
+            f"4-layer {args.mlp_width}-wide MLP, batch {args.mlp_batch}, median of "
+            f"{args.repeat}:"
+        )
+        print()
+        print(format_iteration(iteration))
+    if args.json:
+        document = {
+            "machine": info,
+            "config": {
+                "numel": args.numel,
+                "params": args.params,
+                "optimizers": args.optimizers,
+                "variants": args.variants,
+                "repeat": args.repeat,
+                "warmup": args.warmup,
+                "memory": args.memory,
+                "elapsed_s": elapsed,
+            },
+            "rows": [asdict(row) for row in rows],
+            "iteration": iteration,
+        }
+        Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+def _apply_memory(row: Row, result: dict[str, Any]) -> None:
+    if "error" in result:
+        row.peak_error = result["error"]
+        return
+    row.peak_method = result["method"]
+    row.peak_extra_bytes = result.get("peak_extra_bytes")
+    row.peak_extra_upper_bound = result.get("peak_extra_upper_bound")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,143 @@
+import json
+import sys
+
+import pytest
+
+from mixedopt import bench
+
+NUMEL = 1 << 16
+PARAMS = 3
+ELEMENTS = NUMEL * PARAMS
+
+# Each parameter also holds a 0-dim float32 step counter (Adam, AdamW, RMSprop): 4 B per
+# parameter tensor, i.e. 4 / NUMEL = 6e-5 B per element on top of the figures below. A relative
+# tolerance of 1e-3 covers that, while a gradient kept in the wrong dtype (2 B/param off) or a
+# state tensor too many or too few (4 B/param) is off by more than 10% and fails.
+REL = 1e-3
+
+PERSISTENT = {
+    # weights 4 B + float32 gradient 4 B + state
+    ("adam", "torch-foreach"): 4 + 4 + 8,
+    ("adamw", "torch-foreach"): 4 + 4 + 8,
+    ("rmsprop", "torch-foreach"): 4 + 4 + 4,
+    ("sgd", "torch-foreach"): 4 + 4 + 4,
+    # weights 4 B + float16 gradient 2 B + float32 state
+    ("adam", "mixedopt"): 4 + 2 + 8,
+    ("adamw", "mixedopt"): 4 + 2 + 8,
+    ("rmsprop", "mixedopt"): 4 + 2 + 4,
+    ("sgd", "mixedopt"): 4 + 2 + 4,
+}
+
+SMALL = ["--numel", str(NUMEL), "--params", str(PARAMS), "--repeat", "2", "--warmup", "1"]
+SMALL += ["--stream-mib", "4", "--threads", "1", "--device", "cpu"]
+
+
+def _run(tmp_path, *extra):
+    path = tmp_path / "bench.json"
+    assert bench.main([*SMALL, *extra, "--json", str(path)]) == 0
+    return json.loads(path.read_text())
+
+
+# mixedopt-fused is left out: compiling its kernels takes seconds; the rows shown as unavailable
+# are covered by torch's RMSprop, which has no fused implementation.
+VARIANTS = ["torch-foreach", "torch-fused", "mixedopt"]
+
+
+def test_every_row_with_times_and_persistent_bytes(tmp_path, capsys):
+    document = _run(tmp_path, "--no-memory", "--variants", ",".join(VARIANTS))
+    rows = document["rows"]
+    pairs = [(row["optimizer"], row["variant"]) for row in rows]
+    assert pairs == [(o, v) for o in bench.OPTIMIZERS for v in VARIANTS]
+
+    for row in rows:
+        if not row["available"]:
+            assert row["reason"], row
+            assert row["median_ms"] is None
+            continue
+        assert row["median_ms"] > 0 and row["first_step_ms"] > 0, row
+        assert len(row["step_ms"]) == 2 and all(t > 0 for t in row["step_ms"])
+        assert len(row["warmup_ms"]) == 1
+        assert row["achieved_gbps"] > 0 and row["stream_fraction"] > 0
+        assert row["peak_extra_bytes"] is None  # --no-memory
+        assert row["first_step_compile_ms"] is None  # only for mixedopt-fused
+        if row["variant"] == "torch-foreach":
+            assert row["ratio_to_foreach"] == pytest.approx(1.0)
+        else:
+            assert row["ratio_to_foreach"] > 0
+
+    by_pair = {(row["optimizer"], row["variant"]): row for row in rows}
+    for pair, expected in PERSISTENT.items():
+        assert by_pair[pair]["available"], pair
+        assert by_pair[pair]["persistent_bytes_per_param"] == pytest.approx(expected, rel=REL), pair
+    assert by_pair["adam", "mixedopt"]["grad_dtype"] == "float16"
+    assert by_pair["adam", "torch-foreach"]["grad_dtype"] == "float32"
+    # Minimum traffic: grad read + weight read/write (8 B) + 8 B per state tensor.
+    assert by_pair["adam", "mixedopt"]["min_bytes_per_param"] == 2 + 8 + 16
+    assert by_pair["sgd", "torch-foreach"]["min_bytes_per_param"] == 4 + 8 + 8
+    # torch has no fused RMSprop: shown, with the reason.
+    assert not by_pair["rmsprop", "torch-fused"]["available"]
+    assert "fused" in by_pair["rmsprop", "torch-fused"]["reason"]
+
+    machine = document["machine"]
+    assert machine["torch_version"] and machine["cpu_count"] >= 1
+    assert machine["stream_bandwidth_gbps"] > 0
+
+    out = capsys.readouterr().out
+    assert "stream bandwidth" in out
+    table = [line for line in out.splitlines() if line.startswith("|")]
+    assert len(table) == 2 + len(rows)
+    assert len({len(line) for line in table}) == 1  # aligned
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_peak_memory_in_child_processes(tmp_path):
+    numel, params = 1 << 20, 4
+    document = _run(
+        tmp_path,
+        "--numel",
+        str(numel),
+        "--params",
+        str(params),
+        "--optimizers",
+        "adam",
+        "--variants",
+        "torch-foreach,mixedopt",
+    )
+    rows = {row["variant"]: row for row in document["rows"]}
+    for row in rows.values():
+        assert row["peak_error"] is None, row
+        assert row["peak_method"], row
+        assert row["peak_extra_bytes"] is not None or row["peak_extra_upper_bound"] is not None
+    if not _can_reset_hwm():
+        return  # only upper bounds can be had here
+    for row in rows.values():
+        assert row["peak_method"] == "VmHWM after clear_refs reset", row
+        assert row["peak_extra_bytes"] > 0, row
+    # torch's foreach Adam computes sqrt(exp_avg_sq) for all parameters at once: a float32
+    # temporary of every element, 4 B/param, that a working measurement must see.
+    foreach = rows["torch-foreach"]
+    assert foreach["peak_extra_bytes"] >= 0.75 * 4 * numel * params
+    assert foreach["peak_extra_bytes_per_param"] >= 3
+
+
+def _can_reset_hwm():
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [["--optimizers", "adam,lion"], ["--variants", "torch-jit"], ["--numel", "0"]],
+)
+def test_bad_arguments_are_argparse_errors(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "error:" in err
+    if "lion" in argv[1]:
+        assert "unknown optimizer 'lion'" in err
