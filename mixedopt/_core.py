@@ -20,6 +20,7 @@ import torch
 from torch import Tensor
 
 from . import _fused
+from ._distributed import full_values, is_dtensor, local
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
 # Elements of float32 gradient materialised at once by step(): 1 Mi elements = 4 MiB, small enough
@@ -48,17 +49,19 @@ class _Entry:
     created_state: dict[str, Tensor] = field(default_factory=dict)
 
     def plan(self, keys: list[str], state: dict[str, Any]) -> None:
-        tensors = [state.get(key, self.created_state.get(key)) for key in keys]
-        order = _dense_order(self.param)
+        # A sharded (DTensor) parameter is updated through its rank's shard.
+        param, grad = local(self.param), local(self.grad)
+        tensors = [local(state.get(key, self.created_state.get(key))) for key in keys]
+        order = _dense_order(param)
         if order is not None:
-            views = [_flat(t, order) for t in (self.param, *tensors)]
+            views = [_flat(t, order) for t in (param, *tensors)]
             if all(v is not None for v in views):
                 self.splittable = True
                 self.param_view, *self.state_views = views
                 # A view when the gradient has the param's layout, else a copy in that layout.
-                self.grad_view = self.grad.permute(order).reshape(-1)
+                self.grad_view = grad.permute(order).reshape(-1)
                 return
-        self.param_view, self.grad_view, self.state_views = self.param, self.grad, tensors
+        self.param_view, self.grad_view, self.state_views = param, grad, tensors
 
     def piece(self, t: Tensor, start: int, stop: int) -> Tensor:
         return t[start:stop] if self.splittable else t
@@ -79,7 +82,8 @@ def _flat(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
 def _l2_norm(grad: Tensor) -> Tensor:
     """L2 norm in float32, slice by slice: no float32 copy of a whole large gradient."""
     order = _dense_order(grad)
-    if order is None or grad.numel() <= SLICE_ELEMENTS:
+    # A sharded (DTensor) gradient: its own norm, a value to be reduced over ranks (full_values).
+    if order is None or grad.numel() <= SLICE_ELEMENTS or is_dtensor(grad):
         return torch.linalg.vector_norm(grad, dtype=torch.float32)
     flat = _flat(grad, order)
     parts = [
@@ -198,7 +202,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         for p in group["params"]:
-            self._grad_storage.install(p)
+            if not is_dtensor(p):  # FSDP2 owns the gradients of its sharded parameters
+                self._grad_storage.install(p)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -328,16 +333,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 norm = _l2_norm(e.grad)
                 if e.storage_scale is not None:
                     norm = norm / e.storage_scale
-                norms.append(norm.to(device))
+                norms.append(norm)
+            norms = [norm.to(device) for norm in full_values(norms)]
             total = torch.linalg.vector_norm(torch.stack(norms) * unscale)
             self.last_grad_norm = total
             skip = skip | ~torch.isfinite(total)
             unscale = unscale * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         elif found_inf is None:
             # Backward measured most gradients already: only the others are read here.
-            amax = [
+            amax = full_values(
                 abs_max(e.grad) if e.known_abs_max is None else e.known_abs_max for e in entries
-            ]
+            )
             skip = ~torch.stack([a.to(device) for a in amax]).isfinite().all()
         return unscale, skip
 
@@ -363,7 +369,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self, group: dict[str, Any], entries: list[_Entry], keys: list[str], unscale: Tensor
     ) -> None:
         """Upcast and unscale the gradients slice by slice, and update each slice."""
-        sizes = [(e.param.numel(), e.splittable) for e in entries]
+        sizes = [(e.param_view.numel(), e.splittable) for e in entries]
         largest_whole = max((n for n, splittable in sizes if not splittable), default=0)
         capacity = max(min(SLICE_ELEMENTS, sum(n for n, _ in sizes)), largest_whole)
         buffer = torch.empty(capacity, dtype=torch.float32, device=unscale.device)
@@ -395,7 +401,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 step = e.state.get("step")
                 if step is not None:
                     # The counter advances once per parameter: earlier slices advance a copy.
-                    steps.append(step if stop == e.param.numel() else step.clone())
+                    steps.append(step if stop == e.param_view.numel() else step.clone())
             self._update(group, params, grads, states, steps)
             for destination, values, position in created:
                 destination.copy_(values[position])

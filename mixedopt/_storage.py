@@ -24,12 +24,15 @@ device work on 0-dim tensors: no host synchronisation on CUDA.
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
+
+from ._distributed import ddp_managed, process_group_exists
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -78,6 +81,7 @@ class _Slot:
         "amax",
         "grad_ref",
         "grad_version",
+        "engine_owned",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -91,6 +95,7 @@ class _Slot:
         self.amax: Tensor = one  # upper bound of |true gradient| in p.grad
         self.grad_ref: weakref.ref[Tensor] | None = None  # the .grad tensor this storage wrote
         self.grad_version = -1  # its version counter when written
+        self.engine_owned = False  # a distributed engine reads the gradient: left float32
 
     def owns(self, grad: Tensor) -> bool:
         return self.grad_ref is not None and self.grad_ref() is grad
@@ -118,6 +123,7 @@ class GradientStorage:
     def __init__(self, grad_dtype: torch.dtype) -> None:
         self.grad_dtype = grad_dtype
         self._slots: dict[int, _Slot] = {}
+        self._engines_checked = False
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
@@ -145,8 +151,35 @@ class GradientStorage:
         self._slots[id(param)] = slot
         _managed[param] = self
 
+    def _leave_to_engines(self) -> None:
+        """Leave float32 the gradients of the parameters a DistributedDataParallel reduces.
+
+        Its reducer reads each gradient right after our post-accumulate hook and accepts only
+        the parameter's dtype. Looked up once, at the first backward with a process group.
+        """
+        if not process_group_exists():
+            return
+        self._engines_checked = True
+        taken = ddp_managed(slot.param for slot in self._slots.values())
+        for param in taken:
+            slot = self._slots[id(param)]
+            slot.engine_owned = True
+            param.grad_dtype = slot.original_grad_dtype
+        if taken:
+            warnings.warn(
+                f"mixedopt: {len(taken)} parameter(s) are reduced by "
+                "torch.nn.parallel.DistributedDataParallel, which needs float32 gradients and "
+                "keeps its own float32 copy of them; their gradients stay float32 (no memory "
+                "saved). Call remove_grad_storage() after creating the optimizer to say so and "
+                "silence this warning.",
+                UserWarning,
+                stacklevel=2,
+            )
+
     def _pre_accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | None:
+            if slot.engine_owned:
+                return None
             incoming = grad_outputs[0]
             stored = slot.param.grad
             if stored is None or incoming is None or stored.is_sparse or incoming.is_sparse:
@@ -162,6 +195,10 @@ class GradientStorage:
 
     def _post_accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
         def hook(param: Tensor) -> None:
+            if not self._engines_checked:
+                self._leave_to_engines()
+            if slot.engine_owned:
+                return
             grad = param.grad
             if grad is None or grad.is_sparse:
                 return  # step() refuses sparse gradients with a clear error
@@ -217,7 +254,7 @@ class GradientStorage:
             for handle in slot.handles:
                 handle.remove()
             param = slot.param
-            if param.grad is not None and not param.grad.is_sparse:
+            if param.grad is not None and not param.grad.is_sparse and not slot.engine_owned:
                 param.grad = self.true_grad(param).to(param.dtype)
             param.grad_dtype = slot.original_grad_dtype
             if _managed.get(param) is self:

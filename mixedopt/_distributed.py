@@ -1,0 +1,84 @@
+"""Parameters whose gradients a distributed engine owns.
+
+mixedopt stores a parameter's gradient in 16 bits only where autograd hands the gradient to the
+parameter and nothing else reads it afterwards. Two engines own the gradients of the parameters
+they manage, and for those mixedopt leaves the gradient as the engine makes it (float32) and only
+steps on it:
+
+* FSDP2 (``torch.distributed.fsdp.fully_shard``): its sharded parameters are DTensors; it
+  reduce-scatters the gradients itself and assigns (or adds into) float32 sharded gradients.
+  Such parameters get no gradient storage; ``step()`` works on their local shards and takes the
+  norm of the sharded gradients over all ranks.
+* DDP (``torch.nn.parallel.DistributedDataParallel``): its reducer copies each gradient into a
+  float32 bucket as soon as autograd has written it, and refuses any other dtype. DDP does not
+  mark its parameters, so the storage looks for live DDP modules once, at the first backward
+  after a process group exists, and leaves the gradients of their parameters float32.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor
+
+
+def is_dtensor(t: Tensor) -> bool:
+    """Whether ``t`` is a DTensor (an FSDP2 sharded parameter, for one)."""
+    # Without importing torch.distributed.tensor (half a second): no DTensor exists before it.
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def local(t: Tensor) -> Tensor:
+    """The rank's own part of ``t``: the local shard of a DTensor, sharing its storage.
+
+    Called under ``torch.no_grad()`` (by ``step()``), where it is the shard itself.
+    """
+    return t.to_local() if is_dtensor(t) else t
+
+
+def full_values(values: Iterable[Tensor]) -> list[Tensor]:
+    """``values`` as plain tensors, each 0-dim DTensor replaced by its value over all ranks.
+
+    Such a DTensor is a reduction over a sharded gradient (its norm, its largest magnitude). The
+    ranks communicate once per distinct layout, not once per value.
+    """
+    result = list(values)
+    groups: dict[tuple, list[int]] = {}
+    for i, value in enumerate(result):
+        if is_dtensor(value):
+            groups.setdefault((value.device_mesh, tuple(value.placements)), []).append(i)
+    for indices in groups.values():
+        full = torch.stack([result[i] for i in indices]).full_tensor()
+        for position, i in enumerate(indices):
+            result[i] = full[position]
+    return result
+
+
+def process_group_exists() -> bool:
+    """Whether this process belongs to an initialised ``torch.distributed`` process group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def ddp_managed(params: Iterable[Tensor]) -> list[Tensor]:
+    """Those of ``params`` whose gradients a live ``DistributedDataParallel`` reduces.
+
+    Walks the objects the garbage collector tracks (one pass): call it once, not per backward.
+    """
+    if not process_group_exists():
+        return []
+    from torch.nn.parallel import DistributedDataParallel
+
+    wanted = {id(p): p for p in params}
+    found: dict[int, Tensor] = {}
+    for obj in gc.get_objects():
+        # type(), not isinstance(): some tracked objects warn when their __class__ is read.
+        if issubclass(type(obj), DistributedDataParallel):
+            for p in obj.module.parameters():
+                # Parameters DDP was told to ignore keep plain gradients.
+                if id(p) in wanted and not getattr(p, "_ddp_ignored", False):
+                    found[id(p)] = p
+    return list(found.values())
