@@ -26,6 +26,8 @@ from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 # Elements of float32 gradient materialised at once by step(): 1 Mi elements = 4 MiB, small enough
 # to stay in cache while the update reads it back.
 SLICE_ELEMENTS = 1 << 20
+# On an accelerator the cost is per launch, not per cache miss: 4 Mi elements = 16 MiB.
+ACCELERATOR_SLICE_ELEMENTS = 1 << 22
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
@@ -371,12 +373,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Upcast and unscale the gradients slice by slice, and update each slice."""
         sizes = [(e.param_view.numel(), e.splittable) for e in entries]
         largest_whole = max((n for n, splittable in sizes if not splittable), default=0)
-        capacity = max(min(SLICE_ELEMENTS, sum(n for n, _ in sizes)), largest_whole)
+        per_slice = SLICE_ELEMENTS if unscale.device.type == "cpu" else ACCELERATOR_SLICE_ELEMENTS
+        capacity = max(min(per_slice, sum(n for n, _ in sizes)), largest_whole)
         buffer = torch.empty(capacity, dtype=torch.float32, device=unscale.device)
         factors = [
             unscale if e.storage_scale is None else unscale / e.storage_scale for e in entries
         ]
-        for batch in _slices(sizes, SLICE_ELEMENTS):
+        for batch in _slices(sizes, per_slice):
             params: list[Tensor] = []
             grads: list[Tensor] = []
             states: dict[str, list[Tensor | None]] = {key: [] for key in keys}
