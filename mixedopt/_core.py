@@ -452,6 +452,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 skip.to(e.param.device),
                 step,
                 *[views.get(key) for key in self._fused_state_order],
+                *self._fused_step_arguments(group, step),
                 *hyperparameters,
                 **flags,
             )
@@ -468,6 +469,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
         raise NotImplementedError
+
+    def _fused_step_arguments(self, group: dict[str, Any], step: Tensor | None) -> list[Tensor]:
+        """Per-parameter coefficients that depend on its step counter (Adam's bias corrections)."""
+        return []
 
     def _fused_flags(self, group: dict[str, Any]) -> dict[str, bool]:
         return {}

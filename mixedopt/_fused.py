@@ -26,12 +26,13 @@ def _keep_if(skip: Tensor, old: Tensor, new: Tensor) -> None:
     old.copy_(torch.where(skip, old, new))
 
 
-# Every kernel takes ``unscale``: the factor that turns the stored gradient into the true one,
-# negated for ``maximize``. Options that only change numbers (weight decay 0 or not, maximize,
+# Every kernel takes ``unscale``, the factor that turns the stored gradient into the true one
+# (negated for ``maximize``). Options that only change numbers (weight decay 0 or not, maximize,
 # nesterov) are tensors, so that they do not multiply the compiled variants; options that change
-# which state tensors exist are Python booleans. Hyperparameters arrive as float64 and the
-# coefficients derived from them (1 - beta2, bias corrections, ...) are computed in float64 and
-# then rounded, as torch.optim computes them in Python before its float32 kernels.
+# which state tensors exist are Python booleans. The coefficients (1 - beta2, bias corrections,
+# ...) arrive as float32 0-dim tensors computed in float64 outside the kernels, as torch.optim
+# computes them in Python before its float32 kernels: the kernels do float32 elementwise work
+# only, and nothing per element that could be done once.
 
 
 def rmsprop_kernel(
@@ -45,6 +46,7 @@ def rmsprop_kernel(
     grad_avg: Tensor | None,
     lr: Tensor,
     alpha: Tensor,
+    one_minus_alpha: Tensor,
     eps: Tensor,
     weight_decay: Tensor,
     momentum: Tensor,
@@ -52,21 +54,21 @@ def rmsprop_kernel(
     centered: bool,
 ) -> None:
     """The update of ``torch.optim.RMSprop`` (``_single_tensor_rmsprop``)."""
-    g = grad.float() * unscale + weight_decay.float() * param
-    new_square_avg = square_avg * alpha.float() + (1 - alpha).float() * g * g
+    g = grad.float() * unscale + weight_decay * param
+    new_square_avg = square_avg * alpha + one_minus_alpha * g * g
     if centered:
         assert grad_avg is not None
-        new_grad_avg = torch.lerp(grad_avg, g, (1 - alpha).float())
-        avg = (new_square_avg - new_grad_avg * new_grad_avg).sqrt() + eps.float()
+        new_grad_avg = torch.lerp(grad_avg, g, one_minus_alpha)
+        avg = (new_square_avg - new_grad_avg * new_grad_avg).sqrt() + eps
         _keep_if(skip, grad_avg, new_grad_avg)
     else:
-        avg = new_square_avg.sqrt() + eps.float()
+        avg = new_square_avg.sqrt() + eps
     if momentum_buffer is not None:
-        new_buffer = momentum_buffer * momentum.float() + g / avg
-        new_param = param - lr.float() * new_buffer
+        new_buffer = momentum_buffer * momentum + g / avg
+        new_param = param - lr * new_buffer
         _keep_if(skip, momentum_buffer, new_buffer)
     else:
-        new_param = param - lr.float() * (g / avg)
+        new_param = param - lr * (g / avg)
     _keep_if(skip, square_avg, new_square_avg)
     _keep_if(skip, param, new_param)
     _keep_if(skip, step, step + 1)
@@ -81,35 +83,50 @@ def adam_kernel(
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Tensor | None,
-    lr: Tensor,
-    beta1: Tensor,
+    step_size: Tensor,
+    inverse_bias_correction2_sqrt: Tensor,
+    one_minus_beta1: Tensor,
     beta2: Tensor,
+    one_minus_beta2: Tensor,
     eps: Tensor,
     weight_decay: Tensor,
-    decoupled_weight_decay: Tensor,
+    decay: Tensor,
 ) -> None:
     """The update of ``torch.optim.Adam`` and ``AdamW`` (``_single_tensor_adam``).
 
-    ``weight_decay`` is Adam's (added to the gradient), ``decoupled_weight_decay`` AdamW's
-    (applied to the weights); the other one is 0.
+    ``weight_decay`` is Adam's (added to the gradient); ``decay`` is AdamW's factor on the
+    weights, ``1 - lr * weight_decay`` (1 for Adam).
     """
-    g = grad.float() * unscale + weight_decay.float() * param
-    new_step = step + 1
-    new_exp_avg = torch.lerp(exp_avg, g, (1 - beta1).float())
-    new_exp_avg_sq = exp_avg_sq * beta2.float() + (1 - beta2).float() * g * g
-    step_size = (lr / (1 - beta1 ** new_step.double())).float()
-    bias_correction2_sqrt = (1 - beta2 ** new_step.double()).sqrt().float()
+    g = grad.float() * unscale + weight_decay * param
+    new_exp_avg = torch.lerp(exp_avg, g, one_minus_beta1)
+    new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * g * g
     if max_exp_avg_sq is not None:  # amsgrad
         new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)
-        denom = new_max.sqrt() / bias_correction2_sqrt + eps.float()
+        denom = new_max.sqrt() * inverse_bias_correction2_sqrt + eps
         _keep_if(skip, max_exp_avg_sq, new_max)
     else:
-        denom = new_exp_avg_sq.sqrt() / bias_correction2_sqrt + eps.float()
-    decayed = param * (1 - lr * decoupled_weight_decay).float()
-    _keep_if(skip, param, decayed - step_size * (new_exp_avg / denom))
+        denom = new_exp_avg_sq.sqrt() * inverse_bias_correction2_sqrt + eps
+    _keep_if(skip, param, param * decay - step_size * (new_exp_avg / denom))
     _keep_if(skip, exp_avg, new_exp_avg)
     _keep_if(skip, exp_avg_sq, new_exp_avg_sq)
-    _keep_if(skip, step, new_step)
+    _keep_if(skip, step, step + 1)
+
+
+def adam_step_coefficients(
+    lr: float | Tensor, beta1: float, beta2: float, step: Tensor
+) -> list[Tensor]:
+    """Adam's step size and 1 / sqrt(second bias correction) for the coming step, in float64.
+
+    The kernel multiplies by the inverse where torch divides (a division per element costs more
+    than the memory traffic on a CPU): at most an ulp apart. A step counter on the CPU is read
+    (free there); one on an accelerator stays there.
+    """
+    if step.device.type == "cpu" and not isinstance(lr, Tensor):
+        next_step = step.item() + 1
+        return scalars(lr / (1 - beta1**next_step), (1 - beta2**next_step) ** -0.5)
+    next_step = step.double() + 1
+    step_size = lr / (1 - beta1**next_step)
+    return [step_size.float(), (1 - beta2**next_step).rsqrt().float()]
 
 
 def sgd_kernel(
@@ -121,17 +138,17 @@ def sgd_kernel(
     momentum_buffer: Tensor | None,
     lr: Tensor,
     momentum: Tensor,
-    dampening: Tensor,
+    one_minus_dampening: Tensor,
     weight_decay: Tensor,
     nesterov: Tensor,
 ) -> None:
     """The update of ``torch.optim.SGD``, momentum buffer present (``_single_tensor_sgd``)."""
-    g = grad.float() * unscale + weight_decay.float() * param
+    g = grad.float() * unscale + weight_decay * param
     if momentum_buffer is not None:
-        new_buffer = momentum_buffer * momentum.float() + (1 - dampening).float() * g
-        g = torch.where(nesterov, g + momentum.float() * new_buffer, new_buffer)
+        new_buffer = momentum_buffer * momentum + one_minus_dampening * g
+        g = torch.where(nesterov, g + momentum * new_buffer, new_buffer)
         _keep_if(skip, momentum_buffer, new_buffer)
-    _keep_if(skip, param, param - lr.float() * g)
+    _keep_if(skip, param, param - lr * g)
 
 
 def flat_alias(t: Tensor) -> Tensor:
@@ -145,8 +162,11 @@ def flat_alias(t: Tensor) -> Tensor:
 
 
 def scalars(*values: float | Tensor) -> list[Tensor]:
-    """Hyperparameters as 0-dim float64 tensors: a new value does not recompile."""
-    return [torch.as_tensor(v, dtype=torch.float64) for v in values]
+    """Coefficients as 0-dim float32 tensors: a new value does not recompile.
+
+    Python numbers are rounded to float32 from float64, as torch's kernels round them.
+    """
+    return [torch.as_tensor(v, dtype=torch.float64).float() for v in values]
 
 
 _compiled: dict[Callable[..., None], Callable[..., None]] = {}

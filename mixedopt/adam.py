@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import adam_kernel, scalars
+from ._fused import adam_kernel, adam_step_coefficients, scalars
 
 __all__ = ["Adam"]
 
@@ -71,10 +71,14 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
         weight_decay = group["weight_decay"]
         decoupled = group["decoupled_weight_decay"]
         return scalars(
-            group["lr"],
-            beta1,
+            1 - beta1,
             beta2,
+            1 - beta2,
             group["eps"],
             0.0 if decoupled else weight_decay,
-            weight_decay if decoupled else 0.0,
+            1 - group["lr"] * weight_decay if decoupled else 1.0,
         )
+
+    def _fused_step_arguments(self, group: dict[str, Any], step: Tensor) -> list[Tensor]:
+        beta1, beta2 = group["betas"]
+        return adam_step_coefficients(group["lr"], beta1, beta2, step)

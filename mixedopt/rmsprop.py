@@ -77,8 +77,9 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
         )
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+        alpha = group["alpha"]
         return scalars(
-            group["lr"], group["alpha"], group["eps"], group["weight_decay"], group["momentum"]
+            group["lr"], alpha, 1 - alpha, group["eps"], group["weight_decay"], group["momentum"]
         )
 
     def _fused_flags(self, group: dict[str, Any]) -> dict[str, bool]:

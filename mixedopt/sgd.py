@@ -52,5 +52,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
         )
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
-        numbers = scalars(group["lr"], group["momentum"], group["dampening"], group["weight_decay"])
+        numbers = scalars(
+            group["lr"], group["momentum"], 1 - group["dampening"], group["weight_decay"]
+        )
         return [*numbers, torch.tensor(group["nesterov"])]
