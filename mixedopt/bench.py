@@ -757,7 +757,7 @@ def _run(args: argparse.Namespace) -> int:
 
     info = machine_info(device, streams, args.stream_mib)
     print(
-        f"device {device} ({info['device_name']}, {info['torch_threads']} threads) | "
+        f"device {device} ({info['device_name']}, {info['torch_threads']} thread(s)) | "
         f"torch {torch.__version__} | {args.params} params x {args.numel:,} elements "
         f"= {elements:,} | stream bandwidth {stream / 1e9:.1f} GB/s "
         f"(x.add_(1) on {args.stream_mib} MiB float32) | median of {args.repeat} steps after "
