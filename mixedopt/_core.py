@@ -234,7 +234,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._release_storage()
 
     def true_grad(self, param: Tensor) -> Tensor | None:
-        """The true (unscaled) gradient of ``param`` as a new float32 tensor, or ``None``."""
+        """The gradient of ``param`` without the storage scale, as a new float32 tensor.
+
+        ``None`` where there is no gradient. It is the gradient of what was backpropagated: after
+        ``scaler.scale(loss).backward()`` it still holds GradScaler's loss scale.
+        """
         return self._grad_storage.true_grad(param)
 
     # ------------------------------------------------------------------ step
@@ -482,8 +486,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        """Create the parent's state for ``param`` on its first step (as the parent does)."""
-        raise NotImplementedError
+        """Create the parent's state for ``param`` on its first step, as the parent does.
+
+        A step counter and zeros for every state key (RMSprop, Adam); SGD overrides it.
+        """
+        if len(state) != 0:
+            return
+        # Like torch.optim.Adam(fused=True), a fused optimizer keeps its step on the device.
+        device = param.device if group.get("fused") else None
+        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
+        for key in self._state_keys(group):
+            state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
     def _update(
         self,

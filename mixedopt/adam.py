@@ -30,15 +30,6 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             keys.append("max_exp_avg_sq")
         return keys
 
-    def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        if len(state) != 0:
-            return
-        # As the parent does, a fused optimizer keeps its step on the device.
-        device = param.device if group["fused"] else None
-        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        for key in self._state_keys(group):
-            state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
     def _update(
         self,
         group: dict[str, Any],

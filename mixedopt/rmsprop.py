@@ -42,15 +42,6 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             keys.append("grad_avg")
         return keys
 
-    def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
-        if len(state) != 0:
-            return
-        # Like torch.optim.Adam(fused=True), a fused optimizer keeps its step on the device.
-        device = param.device if group.get("fused") else None
-        state["step"] = torch.zeros((), dtype=torch.float32, device=device)
-        for key in self._state_keys(group):
-            state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
-
     def _update(
         self,
         group: dict[str, Any],
