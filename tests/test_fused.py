@@ -202,3 +202,31 @@ def test_fused_step_on_cuda_matches_the_default_path(name):
         ref.zero_grad()
     for p, q in zip(params, reference, strict=True):
         torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_bfloat16_storage_fused_and_default_match_torch_optim(name):
+    torch.manual_seed(0)
+    data = [torch.randn(n) for n in (5, 300)]
+    fused_params = [nn.Parameter(d.clone()) for d in data]
+    default_params = [nn.Parameter(d.clone()) for d in data]
+    reference = [nn.Parameter(d.clone()) for d in data]
+    mixed_cls, torch_cls = OPTIMIZERS[name]
+    fused = mixed_cls(fused_params, lr=0.01, grad_dtype=torch.bfloat16, fused=True)
+    default = mixed_cls(default_params, lr=0.01, grad_dtype=torch.bfloat16)
+    ref = torch_cls(reference, lr=0.01)
+    for _ in range(3):
+        for p, q, r in zip(fused_params, default_params, reference, strict=True):
+            g = torch.randn(p.shape) * 1e-6
+            (p * g).sum().backward()
+            (q * g).sum().backward()
+            assert p.grad.dtype == q.grad.dtype == torch.bfloat16
+            r.grad = default.true_grad(q)
+        fused.step()
+        default.step()
+        ref.step()
+        for opt in (fused, default, ref):
+            opt.zero_grad()
+    for p, q, r in zip(fused_params, default_params, reference, strict=True):
+        torch.testing.assert_close(q, r)
+        torch.testing.assert_close(p, r)
