@@ -179,19 +179,52 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 f"Invalid max_grad_norm value: {max_grad_norm}; use a positive number, or None "
                 "for no clipping"
             )
-        self.grad_dtype = grad_dtype
-        self.max_grad_norm = max_grad_norm
-        self.last_grad_norm: Tensor | None = None
-        self._skipped_on_host = 0
-        self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
-        self._grad_storage = GradientStorage(grad_dtype)
-        # The storage does not reference the optimizer: it is released when the optimizer dies.
-        self._release_storage = weakref.finalize(self, self._grad_storage.release)
+        self._set_up(grad_dtype, max_grad_norm, skipped_steps=0)
         try:
             super().__init__(params, *args, **kwargs)
         except BaseException:
             self._release_storage()
             raise
+
+    def _set_up(
+        self, grad_dtype: torch.dtype, max_grad_norm: float | None, skipped_steps: int
+    ) -> None:
+        self.grad_dtype = grad_dtype
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: Tensor | None = None
+        self._skipped_on_host = skipped_steps
+        self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
+        self._grad_storage = GradientStorage(grad_dtype)
+        # The storage does not reference the optimizer: it is released when the optimizer dies.
+        self._release_storage = weakref.finalize(self, self._grad_storage.release)
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = super().__getstate__()
+        state["mixedopt"] = {
+            "grad_dtype": self.grad_dtype,
+            "max_grad_norm": self.max_grad_norm,
+            "skipped_steps": self.skipped_steps,
+        }
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, pickling) stores its own parameters' gradients as well.
+
+        ``load_state_dict`` calls this too, on a set-up optimizer: nothing to set up then.
+        """
+        settings = state.pop("mixedopt", {})
+        super().__setstate__(state)
+        if "_grad_storage" in self.__dict__:
+            return
+        self._set_up(
+            settings.get("grad_dtype", torch.float16),
+            settings.get("max_grad_norm"),
+            settings.get("skipped_steps", 0),
+        )
+        for group in self.param_groups:
+            for p in group["params"]:
+                if not is_dtensor(p):
+                    self._grad_storage.install(p)
 
     # ------------------------------------------------------------------ construction
 

@@ -281,3 +281,23 @@ def test_positional_arguments_have_the_parents_meaning():
     group = opt.param_groups[0]
     assert (group["lr"], group["alpha"], group["eps"]) == (0.05, 0.9, 1e-6)
     assert (group["weight_decay"], group["momentum"], group["centered"]) == (0.01, 0.5, True)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_deep_copy_keeps_its_settings_and_stores_its_own_gradients(name):
+    import copy
+
+    model = small_model()
+    opt = OPTIMIZERS[name][0](model.parameters(), max_grad_norm=1.0, grad_dtype=torch.bfloat16)
+    autocast_backward(model, torch.randn(4, 6))
+    opt.step()
+    clone = copy.deepcopy(opt)
+    assert (clone.grad_dtype, clone.max_grad_norm) == (torch.bfloat16, 1.0)
+    params = clone.param_groups[0]["params"]
+    assert all(p is not q for p, q in zip(params, model.parameters(), strict=True))
+    for p in params:
+        p.grad = None
+        (p * 3.0).sum().backward()
+        assert p.grad.dtype == torch.bfloat16
+    clone.step()
+    assert clone.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
