@@ -116,7 +116,7 @@ def _slices(
         start = 0
         while True:
             take = min(numel - start, capacity - filled)
-            if take == 0 and start < numel:
+            if take <= 0 and start < numel:  # full (or past full, after a large whole item)
                 yield batch
                 batch, filled = [], 0
                 continue

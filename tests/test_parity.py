@@ -9,6 +9,7 @@ import torch
 from helpers import OPTIMIZERS, Twins, scenarios, slice_elements
 from hypothesis import given
 from hypothesis import strategies as st
+from torch import nn
 
 
 @given(scenarios())
@@ -85,3 +86,35 @@ def test_state_dict_round_trip_mid_training_continues_identically(direction, s, 
         twins.ref.step()
         twins.assert_equal()
         twins.zero_grad()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_parameters_that_are_not_dense_are_updated_whole_between_slices(name):
+    """A strided parameter cannot be cut into flat slices: it is a batch of its own."""
+    torch.manual_seed(0)
+    values = [torch.randn(5), torch.randn(6, 4), torch.randn(9)]
+
+    def make(i):  # the middle parameter: every other column of a larger tensor
+        if i != 1:
+            return nn.Parameter(values[i].clone())
+        base = torch.zeros(6, 8)
+        base[:, ::2] = values[i]
+        return nn.Parameter(base[:, ::2])
+
+    params = [make(i) for i in range(3)]
+    reference = [make(i) for i in range(3)]
+    assert not params[1].is_contiguous()
+    mixed_cls, torch_cls = OPTIMIZERS[name]
+    opt, ref = mixed_cls(params, lr=0.01), torch_cls(reference, lr=0.01)
+    with slice_elements(7):  # the strided parameter (24 elements) is larger than a slice
+        for _ in range(3):
+            for p, q in zip(params, reference, strict=True):
+                g = torch.randn(p.shape)
+                (p * g).sum().backward()
+                q.grad = opt.true_grad(p)
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
