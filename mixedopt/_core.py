@@ -65,6 +65,10 @@ class _Entry:
                 return
         self.param_view, self.grad_view, self.state_views = param, grad, tensors
 
+    def unscaled(self, value: Tensor) -> Tensor:
+        """``value`` (a factor or a norm of ``grad``) with the storage scale taken out."""
+        return value if self.storage_scale is None else value / self.storage_scale
+
     def piece(self, t: Tensor, start: int, stop: int) -> Tensor:
         return t[start:stop] if self.splittable else t
 
@@ -367,13 +371,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if found_inf is not None:  # GradScaler checked every gradient already
             skip = found_inf.to(device) > 0
         if self.max_grad_norm is not None:
-            norms = []
-            for e in entries:
-                norm = _l2_norm(e.grad)
-                if e.storage_scale is not None:
-                    norm = norm / e.storage_scale
-                norms.append(norm)
-            norms = [norm.to(device) for norm in full_values(norms)]
+            norms = full_values(e.unscaled(_l2_norm(e.grad)) for e in entries)
+            norms = [norm.to(device) for norm in norms]
             total = torch.linalg.vector_norm(torch.stack(norms) * unscale)
             self.last_grad_norm = total
             skip = skip | ~torch.isfinite(total)
@@ -413,9 +412,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         per_slice = SLICE_ELEMENTS if unscale.device.type == "cpu" else ACCELERATOR_SLICE_ELEMENTS
         capacity = max(min(per_slice, sum(n for n, _ in sizes)), largest_whole)
         buffer = torch.empty(capacity, dtype=torch.float32, device=unscale.device)
-        factors = [
-            unscale if e.storage_scale is None else unscale / e.storage_scale for e in entries
-        ]
+        factors = [e.unscaled(unscale) for e in entries]
         for batch in _slices(sizes, per_slice):
             params: list[Tensor] = []
             grads: list[Tensor] = []
@@ -478,9 +475,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 tensors = [_fused.flat_alias(t) for t in tensors]
             param, grad, *state_tensors = tensors
             views = dict(zip(keys, state_tensors, strict=True))
-            factor = signed_unscale
-            if e.storage_scale is not None:
-                factor = factor / e.storage_scale
+            factor = e.unscaled(signed_unscale)
             ran = _fused.run(
                 self._fused_kernel,
                 param.detach(),  # compiled code must not see the parameter's 16-bit .grad
