@@ -198,6 +198,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Tensor | None = None
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
+        # fused=True: per parameter, the memory its 1-D aliases were made for, and the aliases.
+        self._fused_aliases: dict[Tensor, tuple[tuple[int, ...], list[Tensor]]] = {}
         self._grad_storage = GradientStorage(grad_dtype)
         # The storage does not reference the optimizer: it is released when the optimizer dies.
         self._release_storage = weakref.finalize(self, self._grad_storage.release)
@@ -219,6 +221,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         settings = state.pop("mixedopt", {})
         super().__setstate__(state)
         if "_grad_storage" in self.__dict__:
+            self._fused_aliases.clear()  # they hold the replaced state's memory
             return
         self._set_up(
             settings.get("grad_dtype", torch.float16),
@@ -308,29 +311,31 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         )
         steps = [(g, e) for g, e in zip(self.param_groups, entries, strict=True) if e]
 
-        if all(self._fused_ready(group, group_entries) for group, group_entries in steps):
+        fused = all(self._fused_ready(group, group_entries) for group, group_entries in steps)
+        if fused and skip.device.type != "cpu":
             # No host synchronisation: the kernels keep the old values where skip is set.
             for group, group_entries in steps:
                 self._fused_step_group(group, group_entries, unscale, skip)
-            if skip.device.type != "cpu":
-                if self._skipped_on_device is None:
-                    self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
-                self._skipped_on_device += skip
-                return loss
-        elif not bool(skip):
+            if self._skipped_on_device is None:
+                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
+            self._skipped_on_device += skip
+            return loss
+        if not bool(skip):  # on the CPU, reading the flag costs nothing
             for group, group_entries in steps:
-                self._step_group(group, group_entries, unscale)
+                if fused:
+                    self._fused_step_group(group, group_entries, unscale, None)
+                else:
+                    self._step_group(group, group_entries, unscale)
             return loss
 
-        if bool(skip):  # on the CPU, reading the flag costs nothing
-            self._skipped_on_host += 1
-            if found_inf is None:  # with GradScaler, skipping is routine: no warning
-                warnings.warn(
-                    f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was "
-                    f"skipped (weights and state unchanged; {self.skipped_steps} skipped so far)",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+        self._skipped_on_host += 1
+        if found_inf is None:  # with GradScaler, skipping is routine: no warning
+            warnings.warn(
+                f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was "
+                f"skipped (weights and state unchanged; {self.skipped_steps} skipped so far)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
         return loss
 
     def _collect(self, group: dict[str, Any]) -> list[_Entry]:
@@ -457,57 +462,94 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
 
     def _fused_step_group(
-        self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor, skip: Tensor
+        self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor, skip: Tensor | None
     ) -> None:
+        """Update ``entries`` with the compiled kernels, ``CHUNK`` parameters per call.
+
+        ``skip`` is None on the CPU (the caller does not step when a gradient is inf/NaN).
+        """
         keys = self._state_keys(group)
-        hyperparameters = self._fused_hyperparameters(group)
-        flags = self._fused_flags(group)
         # maximize: the kernels get the negated gradient, as torch's update negates it.
         signed_unscale = -unscale if group["maximize"] else unscale
-        for index, e in enumerate(entries):
-            state = self.state.get(e.param, {})
+        steps = []
+        for e in entries:
+            state = self.state[e.param]
             step = state.get("step")
             if step is not None and step.device != e.param.device:
                 step = state["step"] = step.to(e.param.device)  # from a non-fused checkpoint
-            e.plan(keys, state)
-            tensors = [e.param_view, e.grad_view, *e.state_views]
-            if e.splittable:
-                tensors = [_fused.flat_alias(t) for t in tensors]
-            param, grad, *state_tensors = tensors
-            views = dict(zip(keys, state_tensors, strict=True))
+            steps.append(step)
+        coefficients = self._fused_coefficients(group, steps)
+        per_param = []  # each parameter's kernel arguments, in the kernel's order
+        for e, step, step_coefficients in zip(entries, steps, coefficients, strict=True):
+            param, grad, states = self._fused_tensors(e, keys, self.state[e.param])
+            views = dict(zip(keys, states, strict=True))
             factor = e.unscaled(signed_unscale)
-            ran = _fused.run(
-                self._fused_kernel,
-                param.detach(),  # compiled code must not see the parameter's 16-bit .grad
-                grad,
-                factor.to(e.param.device),
-                skip.to(e.param.device),
-                step,
-                *[views.get(key) for key in self._fused_state_order],
-                *self._fused_step_arguments(group, step),
-                *hyperparameters,
-                **flags,
+            if factor.device != param.device:
+                factor = factor.to(param.device)
+            per_param.append(
+                (
+                    param,
+                    grad,
+                    factor,
+                    step,
+                    *[views.get(key) for key in self._fused_state_order],
+                    *step_coefficients,
+                )
             )
-            if not ran:  # no compiler: the rest of the step takes the default path
-                if not bool(skip):
-                    self._step_group(group, entries[index:], unscale)
+        shared = (skip, *self._fused_hyperparameters(group))
+        done = [False] * len(entries)
+        for chunk in _fused.chunks(per_param):
+            if not _fused.run(self._fused_each, [per_param[i] for i in chunk], shared):
+                # No compiler: what is left of the step takes the default path.
+                if skip is None or not bool(skip):
+                    rest = [e for e, finished in zip(entries, done, strict=True) if not finished]
+                    self._step_group(group, rest, unscale)
                 return
+            for i in chunk:
+                done[i] = True
+
+    def _fused_tensors(
+        self, e: _Entry, keys: list[str], state: dict[str, Any]
+    ) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """Parameter, gradient and state as the kernels take them: 1-D when dense."""
+        tensors = [e.param, *(state[key] for key in keys)]
+        if (
+            all(t.is_contiguous() for t in tensors)
+            and e.grad.is_contiguous()
+            and not is_dtensor(e.param)
+        ):
+            # The aliases of weights and state are kept while they stay on the same memory.
+            memory = (e.param.numel(), *(t.data_ptr() for t in tensors))
+            cached = self._fused_aliases.get(e.param)
+            if cached is None or cached[0] != memory:
+                cached = self._fused_aliases[e.param] = (
+                    memory,
+                    [_fused.flat_alias(t) for t in tensors],
+                )
+            param, *states = cached[1]
+            return param, _fused.flat_alias(e.grad), states
+        e.plan(keys, state)
+        param, grad, states = e.param_view, e.grad_view, e.state_views
+        if e.splittable:
+            param, grad, *states = [_fused.flat_alias(t) for t in (param, grad, *states)]
+        # Compiled code must not see the parameter's 16-bit .grad.
+        return param.detach(), grad, states
 
     # ------------------------------------------------------------------ per optimizer
 
-    # The compiled update (``_fused.py``), its state arguments in order, its numbers and flags.
-    _fused_kernel: Callable[..., None]
+    # The compiled update over a chunk of parameters (``_fused.py``), its state arguments in
+    # order, and the arguments the group shares.
+    _fused_each: Callable[..., None]
     _fused_state_order: tuple[str, ...] = ()
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         raise NotImplementedError
 
-    def _fused_step_arguments(self, group: dict[str, Any], step: Tensor | None) -> list[Tensor]:
+    def _fused_coefficients(
+        self, group: dict[str, Any], steps: list[Tensor | None]
+    ) -> list[tuple[Tensor, ...]]:
         """Per-parameter coefficients that depend on its step counter (Adam's bias corrections)."""
-        return []
-
-    def _fused_flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return {}
+        return [()] * len(steps)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         """Elementwise float32 state tensors the update reads for this group, in order."""

@@ -1,12 +1,19 @@
 """``fused=True``: each parameter's update in one compiled pass over its memory.
 
 Each kernel below reads the 16-bit gradient, upcasts and unscales it, computes the parent's
-update in float32, and writes weights and state -- or writes back what was there when ``skip`` is
-set (an inf/NaN gradient), so that no host synchronisation is needed to decide. The kernels are
-compiled with ``torch.compile`` (Inductor emits C++ on CPU and Triton on CUDA) with dynamic
-shapes, and every number that may change between steps (learning rate, betas, momentum, scales)
-is a 0-dim tensor: one compilation serves every parameter size and every step. Python booleans
-(``amsgrad``, ``nesterov``, ...) are part of the compiled layout.
+update in float32, and writes weights and state. The kernels are compiled with
+``torch.compile`` (Inductor emits C++ on CPU and Triton on CUDA) with dynamic shapes, and every
+number that may change between steps (learning rate, betas, momentum, scales) is a 0-dim tensor:
+one compilation serves every parameter size and every step. ``None`` in place of a tensor
+(no weight decay, no skip flag) and the presence of optional state are part of the compiled
+layout, so a kernel does no per-element work for an option that is off.
+
+Parameters are updated in chunks of ``CHUNK`` per compiled call (``*_each``), so that the cost of
+a call (guards, wrapper) is paid once per chunk rather than once per parameter.
+
+On an accelerator the kernels get ``skip`` (an inf/NaN gradient) as a 0-dim tensor and write
+back what was there when it is set, so that no host synchronisation is needed to decide. On the
+CPU reading the flag is free: the step is not run at all, and the kernels get ``skip=None``.
 
 The default path (torch's own functional ``rmsprop()``/``adam()``/``sgd()``) is the reference
 these kernels are tested against.
@@ -14,145 +21,176 @@ these kernels are tested against.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+# Parameters per compiled call. A chunk of another length compiles once more, so the parameters
+# left over after the full chunks go one at a time: two compilations per kernel layout at most.
+CHUNK = 8
 
-def _keep_if(skip: Tensor, old: Tensor, new: Tensor) -> None:
-    old.copy_(torch.where(skip, old, new))
+
+def _write(destination: Tensor, new: Tensor, skip: Tensor | None) -> None:
+    """``destination = new``, or unchanged where ``skip`` (a 0-dim bool tensor) is set."""
+    destination.copy_(new if skip is None else torch.where(skip, destination, new))
 
 
-# Every kernel takes ``unscale``, the factor that turns the stored gradient into the true one
-# (negated for ``maximize``). Options that only change numbers (weight decay 0 or not, maximize,
-# nesterov) are tensors, so that they do not multiply the compiled variants; options that change
-# which state tensors exist are Python booleans. The coefficients (1 - beta2, bias corrections,
-# ...) arrive as float32 0-dim tensors computed in float64 outside the kernels, as torch.optim
-# computes them in Python before its float32 kernels: the kernels do float32 elementwise work
-# only, and nothing per element that could be done once.
+# Every kernel takes the parameter, its stored gradient, ``factor`` (turns the stored gradient
+# into the true one, negated for ``maximize``), its step counter and its state, then
+# per-parameter coefficients, then what the whole group shares. The coefficients (1 - beta2,
+# bias corrections, ...) arrive as float32 0-dim tensors computed in float64 outside the kernels,
+# as torch.optim computes them in Python before its float32 kernels: the kernels do float32
+# elementwise work only, and nothing per element that could be done once.
 
 
 def rmsprop_kernel(
     param: Tensor,
     grad: Tensor,
-    unscale: Tensor,
-    skip: Tensor,
+    factor: Tensor,
     step: Tensor,
     square_avg: Tensor,
     momentum_buffer: Tensor | None,
     grad_avg: Tensor | None,
+    skip: Tensor | None,
     lr: Tensor,
     alpha: Tensor,
     one_minus_alpha: Tensor,
     eps: Tensor,
-    weight_decay: Tensor,
+    weight_decay: Tensor | None,
     momentum: Tensor,
-    *,
-    centered: bool,
 ) -> None:
     """The update of ``torch.optim.RMSprop`` (``_single_tensor_rmsprop``)."""
-    g = grad.float() * unscale + weight_decay * param
+    g = grad.float() * factor
+    if weight_decay is not None:
+        g = g + weight_decay * param
     new_square_avg = square_avg * alpha + one_minus_alpha * g * g
-    if centered:
-        assert grad_avg is not None
+    if grad_avg is not None:  # centered
         new_grad_avg = torch.lerp(grad_avg, g, one_minus_alpha)
         avg = (new_square_avg - new_grad_avg * new_grad_avg).sqrt() + eps
-        _keep_if(skip, grad_avg, new_grad_avg)
+        _write(grad_avg, new_grad_avg, skip)
     else:
         avg = new_square_avg.sqrt() + eps
     if momentum_buffer is not None:
         new_buffer = momentum_buffer * momentum + g / avg
         new_param = param - lr * new_buffer
-        _keep_if(skip, momentum_buffer, new_buffer)
+        _write(momentum_buffer, new_buffer, skip)
     else:
         new_param = param - lr * (g / avg)
-    _keep_if(skip, square_avg, new_square_avg)
-    _keep_if(skip, param, new_param)
-    _keep_if(skip, step, step + 1)
+    _write(square_avg, new_square_avg, skip)
+    _write(param, new_param, skip)
+    _write(step, step + 1, skip)
 
 
 def adam_kernel(
     param: Tensor,
     grad: Tensor,
-    unscale: Tensor,
-    skip: Tensor,
+    factor: Tensor,
     step: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Tensor | None,
     step_size: Tensor,
     inverse_bias_correction2_sqrt: Tensor,
+    skip: Tensor | None,
     one_minus_beta1: Tensor,
     beta2: Tensor,
     one_minus_beta2: Tensor,
     eps: Tensor,
-    weight_decay: Tensor,
-    decay: Tensor,
+    weight_decay: Tensor | None,
+    decay: Tensor | None,
 ) -> None:
     """The update of ``torch.optim.Adam`` and ``AdamW`` (``_single_tensor_adam``).
 
     ``weight_decay`` is Adam's (added to the gradient); ``decay`` is AdamW's factor on the
-    weights, ``1 - lr * weight_decay`` (1 for Adam).
+    weights, ``1 - lr * weight_decay``. ``step_size`` and ``inverse_bias_correction2_sqrt`` come
+    from ``adam_step_coefficients``.
     """
-    g = grad.float() * unscale + weight_decay * param
+    g = grad.float() * factor
+    if weight_decay is not None:
+        g = g + weight_decay * param
     new_exp_avg = torch.lerp(exp_avg, g, one_minus_beta1)
     new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * g * g
     if max_exp_avg_sq is not None:  # amsgrad
         new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)
         denom = new_max.sqrt() * inverse_bias_correction2_sqrt + eps
-        _keep_if(skip, max_exp_avg_sq, new_max)
+        _write(max_exp_avg_sq, new_max, skip)
     else:
         denom = new_exp_avg_sq.sqrt() * inverse_bias_correction2_sqrt + eps
-    _keep_if(skip, param, param * decay - step_size * (new_exp_avg / denom))
-    _keep_if(skip, exp_avg, new_exp_avg)
-    _keep_if(skip, exp_avg_sq, new_exp_avg_sq)
-    _keep_if(skip, step, step + 1)
+    decayed = param if decay is None else param * decay
+    _write(param, decayed - step_size * (new_exp_avg / denom), skip)
+    _write(exp_avg, new_exp_avg, skip)
+    _write(exp_avg_sq, new_exp_avg_sq, skip)
+    _write(step, step + 1, skip)
 
 
 def adam_step_coefficients(
     lr: float | Tensor, beta1: float, beta2: float, step: Tensor
-) -> list[Tensor]:
-    """Adam's step size and 1 / sqrt(second bias correction) for the coming step, in float64.
+) -> tuple[Tensor, Tensor]:
+    """Adam's step size and 1 / sqrt(second bias correction) for the coming step.
 
-    The kernel multiplies by the inverse where torch divides (a division per element costs more
-    than the memory traffic on a CPU): at most an ulp apart. A step counter on the CPU is read
-    (free there); one on an accelerator stays there.
+    Computed in float64 and rounded to float32. The kernel multiplies by the inverse where torch
+    divides (a division per element costs more than the memory traffic on a CPU): at most an ulp
+    apart. A step counter on the CPU is read (free there); one on an accelerator stays there.
     """
     if step.device.type == "cpu" and not isinstance(lr, Tensor):
         next_step = step.item() + 1
-        return scalars(lr / (1 - beta1**next_step), (1 - beta2**next_step) ** -0.5)
+        step_size, inverse = scalars(lr / (1 - beta1**next_step), (1 - beta2**next_step) ** -0.5)
+        return step_size, inverse
     next_step = step.double() + 1
     step_size = lr / (1 - beta1**next_step)
-    return [step_size.float(), (1 - beta2**next_step).rsqrt().float()]
+    return step_size.float(), (1 - beta2**next_step).rsqrt().float()
 
 
 def sgd_kernel(
     param: Tensor,
     grad: Tensor,
-    unscale: Tensor,
-    skip: Tensor,
+    factor: Tensor,
     step: None,
     momentum_buffer: Tensor | None,
+    skip: Tensor | None,
     lr: Tensor,
     momentum: Tensor,
     one_minus_dampening: Tensor,
-    weight_decay: Tensor,
-    nesterov: Tensor,
+    weight_decay: Tensor | None,
+    nesterov: bool,
 ) -> None:
-    """The update of ``torch.optim.SGD``, momentum buffer present (``_single_tensor_sgd``)."""
-    g = grad.float() * unscale + weight_decay * param
+    """The update of ``torch.optim.SGD`` (``_single_tensor_sgd``)."""
+    g = grad.float() * factor
+    if weight_decay is not None:
+        g = g + weight_decay * param
     if momentum_buffer is not None:
         new_buffer = momentum_buffer * momentum + one_minus_dampening * g
-        g = torch.where(nesterov, g + momentum * new_buffer, new_buffer)
-        _keep_if(skip, momentum_buffer, new_buffer)
-    _keep_if(skip, param, param - lr * g)
+        g = g + momentum * new_buffer if nesterov else new_buffer
+        _write(momentum_buffer, new_buffer, skip)
+    _write(param, param - lr * g, skip)
+
+
+# One compiled function per kernel, over a chunk of parameters: ``per_param`` holds each
+# parameter's arguments, ``shared`` the group's. Separate functions, because torch.compile keeps
+# (and limits) its compiled variants per function.
+
+
+def rmsprop_each(per_param: Sequence[tuple[Any, ...]], shared: tuple[Any, ...]) -> None:
+    for arguments in per_param:
+        rmsprop_kernel(*arguments, *shared)
+
+
+def adam_each(per_param: Sequence[tuple[Any, ...]], shared: tuple[Any, ...]) -> None:
+    for arguments in per_param:
+        adam_kernel(*arguments, *shared)
+
+
+def sgd_each(per_param: Sequence[tuple[Any, ...]], shared: tuple[Any, ...]) -> None:
+    for arguments in per_param:
+        sgd_kernel(*arguments, *shared)
 
 
 def flat_alias(t: Tensor) -> Tensor:
-    """A 1-D tensor on the memory of ``t`` (contiguous, 1-D) that is not a view of it.
+    """A 1-D tensor on the memory of ``t`` (contiguous) that is not a view of it.
 
     Compiled code guards on the shape of a view's base: views of parameters of different ranks
     would each compile again. These aliases compile once for every parameter.
@@ -169,15 +207,57 @@ def scalars(*values: float | Tensor) -> list[Tensor]:
     return [torch.as_tensor(v, dtype=torch.float64).float() for v in values]
 
 
+def optional(value: float) -> Tensor | None:
+    """A coefficient that is often 0 (weight decay): ``None`` then, which skips its work."""
+    return None if value == 0 else scalars(value)[0]
+
+
+def chunks(per_param: Sequence[tuple[Any, ...]]) -> Iterator[list[int]]:
+    """Indices into ``per_param`` for each compiled call: runs of ``CHUNK``, then singles.
+
+    A parameter's tuple starts with its parameter; only 1-D ones (the flat aliases of dense
+    parameters) of 2 elements or more are chunked, so that a chunk's compiled variant depends
+    neither on parameter ranks nor on sizes 0 and 1 (which dynamic shapes specialise).
+    """
+    flat = [i for i, arguments in enumerate(per_param) if _chunkable(arguments[0])]
+    whole = len(flat) - len(flat) % CHUNK
+    for start in range(0, whole, CHUNK):
+        yield flat[start : start + CHUNK]
+    rest = set(range(len(per_param))) - set(flat[:whole])
+    for i in sorted(rest):
+        yield [i]
+
+
+def _chunkable(param: Tensor) -> bool:
+    return param.dim() == 1 and param.numel() >= 2
+
+
 _compiled: dict[Callable[..., None], Callable[..., None]] = {}
 _unavailable_reason: str | None = None
 
 
-def compiled(kernel: Callable[..., None]) -> Callable[..., None]:
-    """The compiled version of ``kernel`` (compiled on first call, then cached by torch)."""
-    if kernel not in _compiled:
-        _compiled[kernel] = torch.compile(kernel, dynamic=True, fullgraph=True)
-    return _compiled[kernel]
+def compiled(each: Callable[..., None]) -> Callable[..., None]:
+    """The compiled version of ``each`` (compiled on first call, then cached by torch)."""
+    if each not in _compiled:
+        # Inductor decides at compile time whether a C++ loop runs on several threads, from
+        # the sizes it compiles for: a chunk of small parameters would leave every later one
+        # single-threaded. With dynamic_threads every loop is parallel and OpenMP decides.
+        _compiled[each] = torch.compile(
+            each, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}
+        )
+    return _compiled[each]
+
+
+def _distinct_sizes() -> contextlib.AbstractContextManager[Any]:
+    """Compile a chunk's sizes as independent symbols.
+
+    By default torch.compile gives equal sizes one symbol and recompiles when a later chunk's
+    sizes are equal in another pattern; chunks of a real model differ in that pattern.
+    """
+    config = getattr(torch.fx.experimental, "_config", None)
+    if config is None or not hasattr(config, "use_duck_shape"):
+        return contextlib.nullcontext()
+    return config.patch(use_duck_shape=False)
 
 
 def available() -> bool:
@@ -185,20 +265,23 @@ def available() -> bool:
     return _unavailable_reason is None
 
 
-def run(kernel: Callable[..., None], param: Tensor, *args: Any, **flags: bool) -> bool:
-    """Run the compiled ``kernel``; False (after one warning) when no compiler is available.
+def run(
+    each: Callable[..., None], per_param: list[tuple[Any, ...]], shared: tuple[Any, ...]
+) -> bool:
+    """Run the compiled ``each``; False (after one warning) when no compiler is available.
 
-    Parameters of fewer than 2 elements run the same kernel eagerly: compiled with dynamic
-    shapes, sizes 0 and 1 would each be compiled again.
+    A single parameter of fewer than 2 elements runs eagerly: compiled with dynamic shapes,
+    sizes 0 and 1 would each be compiled again.
     """
     global _unavailable_reason
     if _unavailable_reason is not None:
         return False
-    if param.numel() < 2:
-        kernel(param, *args, **flags)
+    if len(per_param) == 1 and per_param[0][0].numel() < 2:
+        each(per_param, shared)
         return True
     try:
-        compiled(kernel)(param, *args, **flags)
+        with _distinct_sizes():
+            compiled(each)(per_param, shared)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         # Compilation fails before anything is written: the caller falls back safely.
         _unavailable_reason = str(error).splitlines()[0]

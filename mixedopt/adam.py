@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import adam_kernel, adam_step_coefficients, scalars
+from ._fused import adam_each, adam_step_coefficients, optional, scalars
 
 __all__ = ["Adam"]
 
@@ -21,7 +21,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_kernel = staticmethod(adam_kernel)
+    _fused_each = staticmethod(adam_each)
     _fused_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
@@ -57,19 +57,26 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         beta1, beta2 = group["betas"]
         weight_decay = group["weight_decay"]
         decoupled = group["decoupled_weight_decay"]
-        return scalars(
-            1 - beta1,
-            beta2,
-            1 - beta2,
-            group["eps"],
-            0.0 if decoupled else weight_decay,
-            1 - group["lr"] * weight_decay if decoupled else 1.0,
-        )
+        return [
+            *scalars(1 - beta1, beta2, 1 - beta2, group["eps"]),
+            None if decoupled else optional(weight_decay),
+            scalars(1 - group["lr"] * weight_decay)[0] if decoupled and weight_decay else None,
+        ]
 
-    def _fused_step_arguments(self, group: dict[str, Any], step: Tensor) -> list[Tensor]:
+    def _fused_coefficients(
+        self, group: dict[str, Any], steps: list[Tensor | None]
+    ) -> list[tuple[Tensor, ...]]:
         beta1, beta2 = group["betas"]
-        return adam_step_coefficients(group["lr"], beta1, beta2, step)
+        if all(step is not None and step.device.type == "cpu" for step in steps):
+            # Usually every parameter is at the same step: compute once per distinct count.
+            by_count: dict[float, tuple[Tensor, Tensor]] = {}
+            for step in steps:
+                count = step.item()
+                if count not in by_count:
+                    by_count[count] = adam_step_coefficients(group["lr"], beta1, beta2, step)
+            return [by_count[step.item()] for step in steps]
+        return [adam_step_coefficients(group["lr"], beta1, beta2, step) for step in steps]

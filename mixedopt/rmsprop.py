@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.rmsprop import rmsprop
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import rmsprop_kernel, scalars
+from ._fused import optional, rmsprop_each, scalars
 
 __all__ = ["RMSprop"]
 
@@ -22,7 +22,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_kernel = staticmethod(rmsprop_kernel)
+    _fused_each = staticmethod(rmsprop_each)
     _fused_state_order = ("square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(self, params: Any, *args: Any, fused: bool | None = None, **kwargs: Any) -> None:
@@ -67,11 +67,9 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             maximize=group["maximize"],
         )
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         alpha = group["alpha"]
-        return scalars(
-            group["lr"], alpha, 1 - alpha, group["eps"], group["weight_decay"], group["momentum"]
+        lr, alpha, one_minus_alpha, eps, momentum = scalars(
+            group["lr"], alpha, 1 - alpha, group["eps"], group["momentum"]
         )
-
-    def _fused_flags(self, group: dict[str, Any]) -> dict[str, bool]:
-        return {"centered": group["centered"]}
+        return [lr, alpha, one_minus_alpha, eps, optional(group["weight_decay"]), momentum]

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import scalars, sgd_kernel
+from ._fused import optional, scalars, sgd_each
 
 __all__ = ["SGD"]
 
@@ -21,7 +21,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_kernel = staticmethod(sgd_kernel)
+    _fused_each = staticmethod(sgd_each)
     _fused_state_order = ("momentum_buffer",)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
@@ -51,8 +51,14 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             foreach=group["foreach"],
         )
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor]:
-        numbers = scalars(
-            group["lr"], group["momentum"], 1 - group["dampening"], group["weight_decay"]
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+        lr, momentum, one_minus_dampening = scalars(
+            group["lr"], group["momentum"], 1 - group["dampening"]
         )
-        return [*numbers, torch.tensor(group["nesterov"])]
+        return [
+            lr,
+            momentum,
+            one_minus_dampening,
+            optional(group["weight_decay"]),
+            group["nesterov"],
+        ]
