@@ -265,13 +265,22 @@ def available() -> bool:
     return _unavailable_reason is None
 
 
+# Compiled variants per kernel: a chunk and a single parameter, times the layouts a process uses
+# (options on or off, gradient dtypes, devices). torch.compile's default limit, 8 per function,
+# is soon reached by a process with several optimizers; past this one, kernels run uncompiled.
+RECOMPILE_LIMIT = 64
+_over_limit: set[Callable[..., None]] = set()  # warned about
+
+
 def run(
     each: Callable[..., None], per_param: list[tuple[Any, ...]], shared: tuple[Any, ...]
 ) -> bool:
     """Run the compiled ``each``; False (after one warning) when no compiler is available.
 
     A single parameter of fewer than 2 elements runs eagerly: compiled with dynamic shapes,
-    sizes 0 and 1 would each be compiled again.
+    sizes 0 and 1 would each be compiled again. So does a chunk of a new layout once its kernel
+    has ``RECOMPILE_LIMIT`` compiled variants (after one warning): the same arithmetic, in
+    several passes.
     """
     global _unavailable_reason
     if _unavailable_reason is not None:
@@ -280,7 +289,7 @@ def run(
         each(per_param, shared)
         return True
     try:
-        with _distinct_sizes():
+        with _distinct_sizes(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             compiled(each)(per_param, shared)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         # Compilation fails before anything is written: the caller falls back safely.
@@ -292,4 +301,15 @@ def run(
             stacklevel=4,
         )
         return False
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        # Raised before anything runs: nothing was written. Layouts compiled so far stay so.
+        if each not in _over_limit:
+            _over_limit.add(each)
+            warnings.warn(
+                f"mixedopt: fused=True has compiled {each.__name__} for {RECOMPILE_LIMIT} "
+                "parameter layouts; parameters of other layouts are updated uncompiled",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        each(per_param, shared)
     return True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import subprocess
 import sys
@@ -86,6 +87,138 @@ def test_one_compilation_serves_parameters_of_every_rank_and_size():
         opt.zero_grad()
     assert graphs_compiled() - before == 0
     assert graphs_compiled() >= 1
+
+
+# Chunks of CHUNK parameters per compiled call, leftovers one at a time, and the parameters that
+# are never chunked: empty, single-element (and, in the test, one in column-major layout).
+MANY_SHAPES = [(7,), (3, 5), (64,), (2, 3, 4), (0,), (), (1,), (33,), (8, 8), (5,), (16,)] + [
+    (n,) for n in range(2, 12)
+]
+OPTIONS = {
+    "RMSprop": dict(momentum=0.9, centered=True, weight_decay=0.01),
+    "Adam": dict(amsgrad=True, weight_decay=0.01, maximize=True),
+    "AdamW": dict(amsgrad=True, weight_decay=0.01),
+    "SGD": dict(momentum=0.9, nesterov=True, weight_decay=0.01),
+}
+
+
+@pytest.mark.parametrize("options", ["defaults", "options"])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_chunks_of_many_parameters_match_the_default_path(name, options):
+    kwargs = dict(lr=0.01, **(OPTIONS[name] if options == "options" else {}))
+    twins = Twins(name, kwargs, MANY_SHAPES, seed=1, reference=unfused(name), fused=True)
+    assert len(twins.params) > 2 * mixedopt._fused.CHUNK
+    for p in (twins.params[1], twins.ref_params[1]):
+        p.data = p.data.t().contiguous().t()  # same values, column-major
+    assert not twins.params[1].is_contiguous()
+    for magnitude in (-3, 0, -7, 2):
+        twins.feed_reference(twins.backward(magnitude))
+        twins.opt.step()
+        twins.ref.step()
+        twins.assert_equal(scale_ulps=8)
+        twins.zero_grad()
+
+
+def test_chunks_with_other_size_patterns_do_not_recompile():
+    torch.manual_seed(0)
+    # Equal sizes in one chunk, distinct sizes in the next, then one left over.
+    params = [nn.Parameter(torch.randn(n)) for n in [10] * 8 + list(range(20, 28)) + [40]]
+    opt = mixedopt.Adam(params, fused=True)
+    for step in range(4):
+        if step == 2:
+            compiled = graphs_compiled()
+        for p in params:
+            (p * torch.randn(p.shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert graphs_compiled() == compiled
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_follows_a_parameter_moved_to_new_memory(name):
+    kwargs = dict(lr=0.01, **OPTIONS[name])
+    twins = Twins(name, kwargs, [(6,), (3, 4)], seed=2, reference=unfused(name), fused=True)
+    for step in range(4):
+        if step == 2:  # replace the weights' memory (and the state's, as load_state_dict does)
+            for p in twins.params:
+                p.data = p.data.clone()
+            twins.opt.load_state_dict(twins.opt.state_dict())
+        twins.feed_reference(twins.backward(-2))
+        twins.opt.step()
+        twins.ref.step()
+        twins.assert_equal(scale_ulps=8)
+        twins.zero_grad()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(name):
+    """The accelerator variant (skip decided on the device), run here on the CPU."""
+    kwargs = dict(lr=0.01, **OPTIONS[name])
+    twins = Twins(name, kwargs, [(6,), (3, 4)], seed=3, reference=unfused(name), fused=True)
+    twins.feed_reference(twins.backward(-1))
+    twins.opt.step()  # the first step creates the state (on the default path)
+    twins.ref.step()
+    twins.zero_grad()
+    for skip in (False, True, False):
+        twins.feed_reference(twins.backward(-1))
+        if skip:
+            weights = [p.detach().clone() for p in twins.params]
+            state = copy.deepcopy(twins.opt.state_dict()["state"])
+        group = twins.opt.param_groups[0]
+        entries = twins.opt._collect(group)
+        twins.opt._fused_step_group(group, entries, torch.ones(()), torch.tensor(skip))
+        if skip:
+            for p, before in zip(twins.params, weights, strict=True):
+                assert torch.equal(p.detach(), before)
+            for index, values in twins.opt.state_dict()["state"].items():
+                for key, value in values.items():
+                    assert torch.equal(value, state[index][key])
+        else:
+            twins.ref.step()
+            twins.assert_equal(scale_ulps=8)
+        twins.zero_grad()
+
+
+def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(monkeypatch):
+    monkeypatch.setattr(mixedopt._fused, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(mixedopt._fused, "_over_limit", set())
+    torch.manual_seed(0)
+    data = [torch.randn(n) for n in range(3, 11)]
+    params = [nn.Parameter(d.clone()) for d in data]
+    reference = [nn.Parameter(d.clone()) for d in data]
+    opt = mixedopt.SGD(params, lr=0.1, momentum=0.9, fused=True)
+    ref = mixedopt.SGD(reference, lr=0.1, momentum=0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            for p, q in zip(params, reference, strict=True):
+                g = torch.randn(p.shape)
+                if step < 2:  # float16, as backward stores it: compiles (at least) this layout
+                    (p * g).sum().backward()
+                    (q * g).sum().backward()
+                else:  # float32, assigned by hand: a layout over the limit
+                    p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+    messages = [str(w.message) for w in caught if "parameter layouts" in str(w.message)]
+    assert messages == [
+        "mixedopt: fused=True has compiled sgd_each for 1 parameter layouts; parameters of other "
+        "layouts are updated uncompiled"
+    ]
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_chunks_group_dense_parameters_and_leave_the_others_alone():
+    flat = [(torch.zeros(n),) for n in (2, 3, 4, 5, 6, 7, 8, 9, 10)]
+    others = [(torch.zeros(()),), (torch.zeros(1),), (torch.zeros(2, 2),)]
+    per_param = flat[:4] + others + flat[4:]
+    chunks = list(mixedopt._fused.chunks(per_param))
+    assert chunks[0] == [0, 1, 2, 3, 7, 8, 9, 10]
+    assert sorted(i for chunk in chunks[1:] for i in chunk) == [4, 5, 6, 11]
+    assert all(len(chunk) == 1 for chunk in chunks[1:])
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
