@@ -10,9 +10,11 @@ For every optimizer (RMSprop, Adam, AdamW, SGD with momentum 0.9) and every vari
 the benchmark builds ``--params`` float32 parameters of ``--numel`` elements, gives them their
 gradients through a real ``backward()`` (so that mixedopt stores them the way it does in training:
 float16 with a power-of-two scale), and times ``step()`` alone: the gradients are kept across
-steps, nothing is zeroed. Every variant gets fresh parameters with the same values. A variant
-whose construction or step raises is shown as unavailable, with the first line of the error as
-the reason; warnings raised by its steps go to the note column.
+steps, nothing is zeroed. Every variant gets fresh parameters with the same values. The variants
+of one optimizer are timed in turn, one step each per round, so that the machine slowing down or
+speeding up while they run changes all of them alike (their ratios are what the table is for).
+A variant whose construction or step raises is shown as unavailable, with the first line of the
+error as the reason; warnings raised by its steps go to the note column.
 
 Columns
     * median step time over ``--repeat`` steps that follow the first step (which creates the
@@ -342,56 +344,99 @@ def cuda_peak(opt: torch.optim.Optimizer, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
-# ---------------------------------------------------------------------------- one variant
+# ---------------------------------------------------------------------------- one optimizer
 
 
-def run_variant(args: argparse.Namespace, optimizer: str, variant: str) -> Row:
-    """Time one optimizer x variant in this process (and its CUDA peak, on CUDA)."""
-    row = Row(optimizer, variant)
-    device = torch.device(args.device)
-    try:
-        params, opt = build(optimizer, variant, args.numel, args.params, device)
-    except Unavailable as why:
-        row.available, row.reason = False, str(why)
-        return row
-    try:
+class _Running:
+    """One variant being timed: its row, parameters, optimizer and the warnings of its steps."""
+
+    def __init__(self, row: Row, params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
+        self.row, self.params, self.opt = row, params, opt
+        self.caught: list[warnings.WarningMessage] = []
+
+    def timed_step(self, device: torch.device) -> float:
+        """Milliseconds of one ``step()``, its warnings kept for the note column."""
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            ms = 1e3 * _timed(self.opt.step, device)
+        self.caught += caught
+        return ms
+
+
+def run_optimizer(args: argparse.Namespace, optimizer: str, variants: Sequence[str]) -> list[Row]:
+    """Time every variant of one optimizer in this process (and its CUDA peak, on CUDA).
+
+    Each variant takes its first and warm-up steps; then the timed steps go round the variants,
+    one step each per round, so that a change in the machine's speed while they run (other load,
+    clock changes) reaches every variant alike instead of favouring the one timed first.
+    """
+    device = torch.device(args.device)
+    rows = [Row(optimizer, variant) for variant in variants]
+    running: list[_Running] = []
+    try:
+        for row in rows:
             try:
-                row.first_step_ms = 1e3 * _timed(opt.step, device)
-                row.warmup_ms = [1e3 * _timed(opt.step, device) for _ in range(args.warmup)]
-                row.step_ms = [1e3 * _timed(opt.step, device) for _ in range(args.repeat)]
+                params, opt = build(optimizer, row.variant, args.numel, args.params, device)
+            except Unavailable as why:
+                row.available, row.reason = False, str(why)
+                continue
+            running.append(_Running(row, params, opt))
+        for each in list(running):
+            try:
+                each.row.first_step_ms = each.timed_step(device)
+                each.row.warmup_ms = [each.timed_step(device) for _ in range(args.warmup)]
             except Exception as error:  # a variant that builds but cannot step: shown as such
-                row.available = False
-                row.reason = f"step() raised {type(error).__name__}: {_first_line(error)}"
-                row.first_step_ms, row.warmup_ms, row.step_ms = None, [], []
-                return row
-        # Deprecation notices come from torch's own imports (torch.compile's, say): not the row's.
-        found = [w for w in caught if not issubclass(w.category, _QUIET_WARNINGS)]
-        row.warnings = list(dict.fromkeys(_first_line(w.message) for w in found))
-        if variant == "mixedopt-fused" and row.warmup_ms:
-            # mixedopt's first step runs the default path (it creates the state as the parent
-            # does); the second is the first compiled one, and pays for the compilation.
-            row.first_step_compile_ms = row.warmup_ms[0]
-        row.median_ms = statistics.median(row.step_ms)
-        elements = args.numel * args.params
-        row.persistent_bytes_per_param = persistent_bytes(params, opt) / elements
-        grad = params[0].grad
-        assert grad is not None
-        row.grad_dtype = str(grad.dtype).removeprefix("torch.")
-        row.state_tensors_per_param = full_state_tensors(params, opt)
-        row.min_bytes_per_param = grad.element_size() + 8 + 8 * row.state_tensors_per_param
-        row.achieved_gbps = row.min_bytes_per_param * elements / (row.median_ms / 1e3) / 1e9
-        if device.type == "cuda" and args.memory:
-            row.peak_extra_bytes = cuda_peak(opt, device)
-            row.peak_method = "torch.cuda.max_memory_allocated"
+                _unavailable_after_step(each, error)
+                running.remove(each)
+        for _ in range(args.repeat):
+            for each in list(running):
+                try:
+                    each.row.step_ms.append(each.timed_step(device))
+                except Exception as error:
+                    _unavailable_after_step(each, error)
+                    running.remove(each)
+        for each in running:
+            _finish(args, each, device)
     finally:
-        teardown(params, opt)
-        del params, opt
+        for each in running:
+            teardown(each.params, each.opt)
+        running.clear()
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return row
+    return rows
+
+
+def _unavailable_after_step(each: _Running, error: Exception) -> None:
+    row = each.row
+    row.available = False
+    row.reason = f"step() raised {type(error).__name__}: {_first_line(error)}"
+    row.first_step_ms, row.warmup_ms, row.step_ms = None, [], []
+    teardown(each.params, each.opt)
+
+
+def _finish(args: argparse.Namespace, each: _Running, device: torch.device) -> None:
+    """Fill in the row of a variant whose steps all ran."""
+    row, params, opt = each.row, each.params, each.opt
+    # Deprecation notices come from torch's own imports (torch.compile's, say): not the row's.
+    found = [w for w in each.caught if not issubclass(w.category, _QUIET_WARNINGS)]
+    row.warnings = list(dict.fromkeys(_first_line(w.message) for w in found))
+    if row.variant == "mixedopt-fused" and row.warmup_ms:
+        # mixedopt's first step runs the default path (it creates the state as the parent
+        # does); the second is the first compiled one, and pays for the compilation.
+        row.first_step_compile_ms = row.warmup_ms[0]
+    row.median_ms = statistics.median(row.step_ms)
+    elements = args.numel * args.params
+    row.persistent_bytes_per_param = persistent_bytes(params, opt) / elements
+    grad = params[0].grad
+    assert grad is not None
+    row.grad_dtype = str(grad.dtype).removeprefix("torch.")
+    row.state_tensors_per_param = full_state_tensors(params, opt)
+    row.min_bytes_per_param = grad.element_size() + 8 + 8 * row.state_tensors_per_param
+    row.achieved_gbps = row.min_bytes_per_param * elements / (row.median_ms / 1e3) / 1e9
+    if device.type == "cuda" and args.memory:
+        row.peak_extra_bytes = cuda_peak(opt, device)
+        row.peak_method = "torch.cuda.max_memory_allocated"
 
 
 # ---------------------------------------------------------------------------- a training iteration
@@ -410,16 +455,19 @@ def iteration_benchmark(
 
     An iteration is what a training loop does: forward under ``autocast(float16)``, backward
     (where mixedopt's storage hooks run), ``step()`` and ``zero_grad()``. Every variant starts
-    from the same weights and sees the same batch.
+    from the same weights and sees the same batch; their timed iterations take turns, as the
+    steps of the main table do.
     """
     torch.manual_seed(0)
     template = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     x = torch.randn(batch, width, device=device)
-    results = []
+    iterations: dict[str, Callable[[], None]] = {}
+    optimizers = []
     for name, make in ITERATION_VARIANTS.items():
         model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
         model.load_state_dict(template.state_dict())
         opt = make(model.parameters())
+        optimizers.append(opt)
 
         def iteration(model: nn.Module = model, opt: torch.optim.Optimizer = opt) -> None:
             with torch.autocast(device.type, dtype=torch.float16):
@@ -430,13 +478,21 @@ def iteration_benchmark(
 
         for _ in range(warmup + 2):  # mixedopt-fused compiles in its second step
             iteration()
-        times = [1e3 * _timed(iteration, device) for _ in range(repeat)]
-        results.append({"variant": name, "median_ms": statistics.median(times), "ms": times})
+        iterations[name] = iteration
+    times: dict[str, list[float]] = {name: [] for name in iterations}
+    for _ in range(repeat):
+        for name, iteration in iterations.items():
+            times[name].append(1e3 * _timed(iteration, device))
+    for opt in optimizers:
         if hasattr(opt, "remove_grad_storage"):
             opt.zero_grad()
             opt.remove_grad_storage()
-        del model, opt
-        gc.collect()
+    del optimizers, iterations
+    gc.collect()
+    results = [
+        {"variant": name, "median_ms": statistics.median(ms), "ms": ms}
+        for name, ms in times.items()
+    ]
     base = results[0]["median_ms"]
     for result in results:
         result["ratio"] = result["median_ms"] / base
@@ -722,10 +778,10 @@ def _run(args: argparse.Namespace) -> int:
         stream = streams["inplace"]
         progress.update()
         rows = []
-        for optimizer, variant in pairs:
-            progress.set_description_str(f"{optimizer} {variant}")
-            rows.append(run_variant(args, optimizer, variant))
-            progress.update()
+        for optimizer in args.optimizers:
+            progress.set_description_str(optimizer)
+            rows += run_optimizer(args, optimizer, args.variants)
+            progress.update(len(args.variants))
         if children:
             for row in rows:
                 progress.set_description_str(f"{row.optimizer} {row.variant} memory")
