@@ -215,8 +215,8 @@ def optional(value: float) -> Tensor | None:
 def chunks(per_param: Sequence[tuple[Any, ...]]) -> Iterator[list[int]]:
     """Indices into ``per_param`` for each compiled call: runs of ``CHUNK``, then singles.
 
-    A parameter's tuple starts with its parameter; only 1-D ones (the flat aliases of dense
-    parameters) of 2 elements or more are chunked, so that a chunk's compiled variant depends
+    A parameter's tuple starts with its parameter; only contiguous 1-D ones (the flat aliases of
+    dense parameters) of 2 elements or more are chunked, so that a chunk's compiled variant depends
     neither on parameter ranks nor on sizes 0 and 1 (which dynamic shapes specialise).
     """
     flat = [i for i, arguments in enumerate(per_param) if _chunkable(arguments[0])]
@@ -229,7 +229,7 @@ def chunks(per_param: Sequence[tuple[Any, ...]]) -> Iterator[list[int]]:
 
 
 def _chunkable(param: Tensor) -> bool:
-    return param.dim() == 1 and param.numel() >= 2
+    return param.dim() == 1 and param.numel() >= 2 and param.is_contiguous()
 
 
 _compiled: dict[Callable[..., None], Callable[..., None]] = {}
