@@ -211,6 +211,21 @@ def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(mo
         torch.testing.assert_close(p, q)
 
 
+@pytest.mark.parametrize("count", [0.0, 1.0, 9.0, 9999.0])
+def test_adam_step_coefficients_read_on_the_host_equal_those_kept_on_the_device(count):
+    """A tensor learning rate takes the path of a step counter on an accelerator."""
+    step = torch.tensor(count)
+    host = mixedopt._fused.adam_step_coefficients(0.001, 0.9, 0.999, step)
+    device = mixedopt._fused.adam_step_coefficients(torch.tensor(0.001), 0.9, 0.999, step)
+    assert all(t.dtype == torch.float32 and t.dim() == 0 for t in (*host, *device))
+    step_size = 0.001 / (1 - 0.9 ** (count + 1))
+    inverse = (1 - 0.999 ** (count + 1)) ** -0.5
+    for value, exact in zip(host, (step_size, inverse), strict=True):
+        assert value.item() == torch.tensor(exact, dtype=torch.float32).item()
+    for value, exact in zip(device, (step_size, inverse), strict=True):
+        torch.testing.assert_close(value, torch.tensor(exact, dtype=torch.float32))
+
+
 def test_chunks_group_dense_parameters_and_leave_the_others_alone():
     flat = [(torch.zeros(n),) for n in (2, 3, 4, 5, 6, 7, 8, 9, 10)]
     others = [(torch.zeros(()),), (torch.zeros(1),), (torch.zeros(2, 2),)]
