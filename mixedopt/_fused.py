@@ -39,6 +39,18 @@ def _write(destination: Tensor, new: Tensor, skip: Tensor | None) -> None:
     destination.copy_(new if skip is None else torch.where(skip, destination, new))
 
 
+def _lerp(start: Tensor, end: Tensor, weight: Tensor, weight_below_half: bool) -> Tensor:
+    """``torch.lerp(start, end, weight)``, with its formula chosen once rather than per element.
+
+    torch.lerp computes ``start + weight * (end - start)`` where ``|weight| < 0.5`` and
+    ``end - (end - start) * (1 - weight)`` elsewhere. The weight is a group setting (1 - beta1,
+    1 - alpha), so the caller knows which applies, and the compiled loop needs no test.
+    """
+    if weight_below_half:
+        return start + weight * (end - start)
+    return end - (end - start) * (1 - weight)
+
+
 # Every kernel takes the parameter, its stored gradient, ``factor`` (turns the stored gradient
 # into the true one, negated for ``maximize``), its step counter and its state, then
 # per-parameter coefficients, then what the whole group shares. The coefficients (1 - beta2,
@@ -62,6 +74,7 @@ def rmsprop_kernel(
     eps: Tensor,
     weight_decay: Tensor | None,
     momentum: Tensor,
+    alpha_above_half: bool,
 ) -> None:
     """The update of ``torch.optim.RMSprop`` (``_single_tensor_rmsprop``)."""
     g = grad.float() * factor
@@ -69,7 +82,7 @@ def rmsprop_kernel(
         g = g + weight_decay * param
     new_square_avg = square_avg * alpha + one_minus_alpha * g * g
     if grad_avg is not None:  # centered
-        new_grad_avg = torch.lerp(grad_avg, g, one_minus_alpha)
+        new_grad_avg = _lerp(grad_avg, g, one_minus_alpha, alpha_above_half)
         avg = (new_square_avg - new_grad_avg * new_grad_avg).sqrt() + eps
         _write(grad_avg, new_grad_avg, skip)
     else:
@@ -102,6 +115,7 @@ def adam_kernel(
     eps: Tensor,
     weight_decay: Tensor | None,
     decay: Tensor | None,
+    beta1_above_half: bool,
 ) -> None:
     """The update of ``torch.optim.Adam`` and ``AdamW`` (``_single_tensor_adam``).
 
@@ -112,7 +126,7 @@ def adam_kernel(
     g = grad.float() * factor
     if weight_decay is not None:
         g = g + weight_decay * param
-    new_exp_avg = torch.lerp(exp_avg, g, one_minus_beta1)
+    new_exp_avg = _lerp(exp_avg, g, one_minus_beta1, beta1_above_half)
     new_exp_avg_sq = exp_avg_sq * beta2 + one_minus_beta2 * g * g
     if max_exp_avg_sq is not None:  # amsgrad
         new_max = torch.maximum(max_exp_avg_sq, new_exp_avg_sq)

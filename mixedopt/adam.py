@@ -65,6 +65,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             *scalars(1 - beta1, beta2, 1 - beta2, group["eps"]),
             None if decoupled else optional(weight_decay),
             scalars(1 - group["lr"] * weight_decay)[0] if decoupled and weight_decay else None,
+            abs(1 - beta1) < 0.5,
         ]
 
     def _fused_coefficients(

@@ -72,4 +72,12 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
         lr, alpha, one_minus_alpha, eps, momentum = scalars(
             group["lr"], alpha, 1 - alpha, group["eps"], group["momentum"]
         )
-        return [lr, alpha, one_minus_alpha, eps, optional(group["weight_decay"]), momentum]
+        return [
+            lr,
+            alpha,
+            one_minus_alpha,
+            eps,
+            optional(group["weight_decay"]),
+            momentum,
+            abs(1 - group["alpha"]) < 0.5,
+        ]

@@ -37,7 +37,7 @@ def main() -> None:
     steps = [torch.zeros(()) for _ in params]
     factor = torch.ones(())
     coefficients = _fused.adam_step_coefficients(1e-3, 0.9, 0.999, torch.zeros(()))
-    shared = (None, *_fused.scalars(0.1, 0.999, 0.001, 1e-8), None, None)
+    shared = (None, *_fused.scalars(0.1, 0.999, 0.001, 1e-8), None, None, True)
 
     def step(dtype: str) -> None:
         per_param = [

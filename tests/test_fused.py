@@ -119,6 +119,27 @@ def test_fused_chunks_of_many_parameters_match_the_default_path(name, options):
         twins.zero_grad()
 
 
+@pytest.mark.parametrize(
+    "name, kwargs",
+    [
+        ("Adam", dict(betas=(0.0, 0.999))),
+        ("Adam", dict(betas=(0.3, 0.999))),
+        ("AdamW", dict(betas=(0.5, 0.999))),
+        ("RMSprop", dict(alpha=0.3, centered=True)),
+        ("RMSprop", dict(alpha=0.5, centered=True)),
+    ],
+)
+def test_fused_running_averages_with_weights_of_a_half_or_more_match_the_default_path(name, kwargs):
+    """torch.lerp switches formula at weight 0.5 (1 - beta1, 1 - alpha); so do the kernels."""
+    twins = Twins(name, dict(lr=0.01, **kwargs), [(6,), (3, 4)], 4, unfused(name), fused=True)
+    for magnitude in (-2, 0, -4):
+        twins.feed_reference(twins.backward(magnitude))
+        twins.opt.step()
+        twins.ref.step()
+        twins.assert_equal(scale_ulps=8)
+        twins.zero_grad()
+
+
 def test_chunks_with_other_size_patterns_do_not_recompile():
     torch.manual_seed(0)
     # Equal sizes in one chunk, distinct sizes in the next, then one left over.
