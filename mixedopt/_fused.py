@@ -5,8 +5,9 @@ update in float32, and writes weights and state. The kernels are compiled with
 ``torch.compile`` (Inductor emits C++ on CPU and Triton on CUDA) with dynamic shapes, and every
 number that may change between steps (learning rate, betas, momentum, scales) is a 0-dim tensor:
 one compilation serves every parameter size and every step. ``None`` in place of a tensor
-(no weight decay, no skip flag) and the presence of optional state are part of the compiled
-layout, so a kernel does no per-element work for an option that is off.
+(no weight decay, no skip flag), the presence of optional state and the Python booleans
+(``nesterov``, which of torch.lerp's formulas applies) are part of the compiled layout, so that a
+kernel does no per-element work for an option that is off.
 
 Parameters are updated in chunks of ``CHUNK`` per compiled call (``*_each``), so that the cost of
 a call (guards, wrapper) is paid once per chunk rather than once per parameter.
