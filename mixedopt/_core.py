@@ -496,9 +496,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     *step_coefficients,
                 )
             )
-        shared = (skip, *self._fused_hyperparameters(group))
+        hyperparameters = self._fused_hyperparameters(group)
+        # A group may hold parameters on several devices: each chunk is on one, with its skip.
+        by_device: dict[torch.device, list[int]] = {}
+        for i, e in enumerate(entries):
+            by_device.setdefault(e.param.device, []).append(i)
+        calls = []
+        for device, indices in by_device.items():
+            device_skip = None if skip is None else skip.to(device)
+            on_device = [per_param[i] for i in indices]
+            for chunk in _fused.chunks(on_device):
+                calls.append(([indices[i] for i in chunk], (device_skip, *hyperparameters)))
         done = [False] * len(entries)
-        for chunk in _fused.chunks(per_param):
+        for chunk, shared in calls:
             if not _fused.run(self._fused_each, [per_param[i] for i in chunk], shared):
                 # No compiler: what is left of the step takes the default path.
                 if skip is None or not bool(skip):

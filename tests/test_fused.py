@@ -373,6 +373,31 @@ def test_fused_step_on_cuda_matches_the_default_path(name):
         torch.testing.assert_close(p, q)
 
 
+@needs_cuda
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_of_a_group_on_cpu_and_cuda_matches_the_default_path(name):
+    torch.manual_seed(0)
+    data = [torch.randn(n, device=d) for n, d in [(40, "cuda"), (30, "cpu"), (20, "cuda")]]
+    params = [nn.Parameter(t.clone()) for t in data]
+    reference = [nn.Parameter(t.clone()) for t in data]
+    opt = OPTIMIZERS[name][0](params, lr=0.01, fused=True)
+    ref = OPTIMIZERS[name][0](reference, lr=0.01)
+    for step in range(4):
+        for p, q in zip(params, reference, strict=True):
+            g = torch.randn(p.shape, device=p.device) * (float("inf") if step == 2 else 1e-3)
+            (p * g).sum().backward()
+            (q * g).sum().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the skipped step's warning
+            opt.step()
+            ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert opt.skipped_steps == ref.skipped_steps == 1
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_bfloat16_storage_fused_and_default_match_torch_optim(name):
     torch.manual_seed(0)
