@@ -497,26 +497,23 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 )
             )
         hyperparameters = self._fused_hyperparameters(group)
-        # A group may hold parameters on several devices: each chunk is on one, with its skip.
+        # A group may hold parameters on several devices: a chunk is on one, with its skip flag.
         by_device: dict[torch.device, list[int]] = {}
         for i, e in enumerate(entries):
             by_device.setdefault(e.param.device, []).append(i)
-        calls = []
-        for device, indices in by_device.items():
-            device_skip = None if skip is None else skip.to(device)
-            on_device = [per_param[i] for i in indices]
-            for chunk in _fused.chunks(on_device):
-                calls.append(([indices[i] for i in chunk], (device_skip, *hyperparameters)))
         done = [False] * len(entries)
-        for chunk, shared in calls:
-            if not _fused.run(self._fused_each, [per_param[i] for i in chunk], shared):
-                # No compiler: what is left of the step takes the default path.
-                if skip is None or not bool(skip):
-                    rest = [e for e, finished in zip(entries, done, strict=True) if not finished]
-                    self._step_group(group, rest, unscale)
-                return
-            for i in chunk:
-                done[i] = True
+        for device, indices in by_device.items():
+            shared = (None if skip is None else skip.to(device), *hyperparameters)
+            for positions in _fused.chunks([per_param[i] for i in indices]):
+                chunk = [indices[position] for position in positions]
+                if not _fused.run(self._fused_each, [per_param[i] for i in chunk], shared):
+                    # No compiler: what is left of the step takes the default path.
+                    if skip is None or not bool(skip):
+                        rest = [e for e, ran in zip(entries, done, strict=True) if not ran]
+                        self._step_group(group, rest, unscale)
+                    return
+                for i in chunk:
+                    done[i] = True
 
     def _fused_tensors(
         self, e: _Entry, keys: list[str], state: dict[str, Any]
