@@ -26,6 +26,14 @@ def unfused(name):
     return lambda params, **kwargs: OPTIMIZERS[name][0](params, **kwargs)
 
 
+def fused_and_default(name, data, **kwargs):
+    """Parameters holding ``data`` under fused=True, and copies of them on the default path."""
+    params = [nn.Parameter(d.clone()) for d in data]
+    reference = [nn.Parameter(d.clone()) for d in data]
+    cls = OPTIMIZERS[name][0]
+    return params, reference, cls(params, fused=True, **kwargs), cls(reference, **kwargs)
+
+
 def graphs_compiled():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -205,10 +213,7 @@ def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(mo
     monkeypatch.setattr(mixedopt._fused, "_over_limit", set())
     torch.manual_seed(0)
     data = [torch.randn(n) for n in range(3, 11)]
-    params = [nn.Parameter(d.clone()) for d in data]
-    reference = [nn.Parameter(d.clone()) for d in data]
-    opt = mixedopt.SGD(params, lr=0.1, momentum=0.9, fused=True)
-    ref = mixedopt.SGD(reference, lr=0.1, momentum=0.9)
+    params, reference, opt, ref = fused_and_default("SGD", data, lr=0.1, momentum=0.9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
@@ -356,10 +361,7 @@ def test_fused_step_on_cuda_does_not_synchronise_with_the_host(name):
 def test_fused_step_on_cuda_matches_the_default_path(name):
     torch.manual_seed(0)
     data = [torch.randn(n, device="cuda") for n in (1, 33, 4097)]
-    params = [nn.Parameter(d.clone()) for d in data]
-    reference = [nn.Parameter(d.clone()) for d in data]
-    opt = OPTIMIZERS[name][0](params, lr=0.01, fused=True)
-    ref = OPTIMIZERS[name][0](reference, lr=0.01)
+    params, reference, opt, ref = fused_and_default(name, data, lr=0.01)
     for _ in range(4):
         for p, q in zip(params, reference, strict=True):
             g = torch.randn(p.shape, device="cuda") * 1e-5
@@ -378,10 +380,7 @@ def test_fused_step_on_cuda_matches_the_default_path(name):
 def test_fused_step_of_a_group_on_cpu_and_cuda_matches_the_default_path(name):
     torch.manual_seed(0)
     data = [torch.randn(n, device=d) for n, d in [(40, "cuda"), (30, "cpu"), (20, "cuda")]]
-    params = [nn.Parameter(t.clone()) for t in data]
-    reference = [nn.Parameter(t.clone()) for t in data]
-    opt = OPTIMIZERS[name][0](params, lr=0.01, fused=True)
-    ref = OPTIMIZERS[name][0](reference, lr=0.01)
+    params, reference, opt, ref = fused_and_default(name, data, lr=0.01)
     for step in range(4):
         for p, q in zip(params, reference, strict=True):
             g = torch.randn(p.shape, device=p.device) * (float("inf") if step == 2 else 1e-3)
