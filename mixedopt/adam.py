@@ -74,10 +74,10 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
         beta1, beta2 = group["betas"]
         if all(step is not None and step.device.type == "cpu" for step in steps):
             # Usually every parameter is at the same step: compute once per distinct count.
+            counts = [step.item() for step in steps]
             by_count: dict[float, tuple[Tensor, Tensor]] = {}
-            for step in steps:
-                count = step.item()
+            for count, step in zip(counts, steps, strict=True):
                 if count not in by_count:
                     by_count[count] = adam_step_coefficients(group["lr"], beta1, beta2, step)
-            return [by_count[step.item()] for step in steps]
+            return [by_count[count] for count in counts]
         return [adam_step_coefficients(group["lr"], beta1, beta2, step) for step in steps]
