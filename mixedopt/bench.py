@@ -386,15 +386,13 @@ def run_optimizer(args: argparse.Namespace, optimizer: str, variants: Sequence[s
                 each.row.first_step_ms = each.timed_step(device)
                 each.row.warmup_ms = [each.timed_step(device) for _ in range(args.warmup)]
             except Exception as error:  # a variant that builds but cannot step: shown as such
-                _unavailable_after_step(each, error)
-                running.remove(each)
+                _drop_after_failed_step(running, each, error)
         for _ in range(args.repeat):
             for each in list(running):
                 try:
                     each.row.step_ms.append(each.timed_step(device))
                 except Exception as error:
-                    _unavailable_after_step(each, error)
-                    running.remove(each)
+                    _drop_after_failed_step(running, each, error)
         for each in running:
             _finish(args, each, device)
     finally:
@@ -407,7 +405,9 @@ def run_optimizer(args: argparse.Namespace, optimizer: str, variants: Sequence[s
     return rows
 
 
-def _unavailable_after_step(each: _Running, error: Exception) -> None:
+def _drop_after_failed_step(running: list[_Running], each: _Running, error: Exception) -> None:
+    """Mark ``each`` unavailable (its row says why), free it and stop timing it."""
+    running.remove(each)
     row = each.row
     row.available = False
     row.reason = f"step() raised {type(error).__name__}: {_first_line(error)}"
