@@ -1,136 +1,69 @@
 """The mixed-precision machinery shared by every mixedopt optimizer.
 
 ``MixedPrecisionOptimizer`` is a mixin placed before a ``torch.optim`` class. It installs the
-gradient storage (``_storage.py``) at construction, and its ``step()`` turns the 16-bit stored
-gradients into true float32 gradients (storage scale x loss scale x clip coefficient, one pass) in
-bounded slices, handing each slice to the parent's public functional update (``rmsprop()``,
-``adam()``, ``sgd()``). An optimizer file only says how its state is created and which functional
-to call.
+gradient storage (``_storage.py``) at construction. Its ``step()`` finds, for all parameters at
+once, each gradient's factor (1 / storage scale x 1 / loss scale x clip coefficient) and whether
+the step is skipped, then updates each group on one of two paths: the default one
+(``_slices.py``: float32 gradients in bounded slices, handed to the parent's public functional
+update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True`` (``_fused_step.py``: compiled
+kernels that read the 16-bit gradients). An optimizer file only says how its state is created
+and which functional and kernel to call.
 """
 
 from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from . import _fused
-from ._distributed import full_values, is_dtensor, local
+from . import _fused, _packing
+from ._default_step import default_update
+from ._distributed import full_values, is_dtensor
+from ._fused_step import fused_update
+from ._packing import Entry, Workspace
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
-
-# Elements of float32 gradient materialised at once by step(): 1 Mi elements = 4 MiB, small enough
-# to stay in cache while the update reads it back.
-SLICE_ELEMENTS = 1 << 20
-# On an accelerator the cost is per launch, not per cache miss: 4 Mi elements = 16 MiB.
-ACCELERATOR_SLICE_ELEMENTS = 1 << 22
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
 
-@dataclass
-class _Entry:
-    """A parameter with a gradient, as step() sees it."""
-
-    param: Tensor
-    grad: Tensor  # p.grad: float16/bfloat16 (scaled) or float32
-    storage_scale: Tensor | None  # None: grad holds true values
-    known_abs_max: Tensor | None = None  # bound on |true grad| measured by backward, if current
-    state: dict[str, Any] = field(default_factory=dict)  # the optimizer's state for param
-    # When param, grad and every state tensor are dense in the same layout, 1-D views of them
-    # in storage order, which step() cuts into slices; else the tensors themselves, taken whole.
-    splittable: bool = False
-    param_view: Tensor | None = None
-    grad_view: Tensor | None = None
-    state_views: list[Tensor] = field(default_factory=list)
-    # State the functional creates on the first step (SGD's momentum buffer): where it goes.
-    created_state: dict[str, Tensor] = field(default_factory=dict)
-
-    def plan(self, keys: list[str], state: dict[str, Any]) -> None:
-        # A sharded (DTensor) parameter is updated through its rank's shard.
-        param, grad = local(self.param), local(self.grad)
-        tensors = [local(state.get(key, self.created_state.get(key))) for key in keys]
-        order = _dense_order(param)
-        if order is not None:
-            views = [_flat(t, order) for t in (param, *tensors)]
-            if all(v is not None for v in views):
-                self.splittable = True
-                self.param_view, *self.state_views = views
-                # A view when the gradient has the param's layout, else a copy in that layout.
-                self.grad_view = grad.permute(order).reshape(-1)
-                return
-        self.param_view, self.grad_view, self.state_views = param, grad, tensors
-
-    def unscaled(self, value: Tensor) -> Tensor:
-        """``value`` (a factor or a norm of ``grad``) with the storage scale taken out."""
-        return value if self.storage_scale is None else value / self.storage_scale
-
-    def piece(self, t: Tensor, start: int, stop: int) -> Tensor:
-        return t[start:stop] if self.splittable else t
-
-
-def _dense_order(t: Tensor) -> tuple[int, ...] | None:
-    """Dimension order (outermost first) in which ``t`` is contiguous; None if not dense."""
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return order if t.permute(order).is_contiguous() else None
-
-
-def _flat(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
-    """A 1-D view of ``t`` in storage order, or None when ``t`` is not dense in ``order``."""
-    permuted = t.permute(order)
-    return permuted.view(-1) if permuted.is_contiguous() else None
-
-
 def _l2_norm(grad: Tensor) -> Tensor:
     """L2 norm in float32, slice by slice: no float32 copy of a whole large gradient."""
-    order = _dense_order(grad)
+    order = grad.dim() and tuple(sorted(range(grad.dim()), key=lambda d: -grad.stride(d)))
+    capacity = _packing.budget(grad.device).capacity
     # A sharded (DTensor) gradient: its own norm, a value to be reduced over ranks (full_values).
-    if order is None or grad.numel() <= SLICE_ELEMENTS or is_dtensor(grad):
+    if grad.numel() <= capacity or is_dtensor(grad) or not order:
         return torch.linalg.vector_norm(grad, dtype=torch.float32)
-    flat = _flat(grad, order)
+    permuted = grad.permute(order)
+    if not permuted.is_contiguous():
+        return torch.linalg.vector_norm(grad, dtype=torch.float32)
+    flat = permuted.view(-1)
     parts = [
-        torch.linalg.vector_norm(flat[start : start + SLICE_ELEMENTS], dtype=torch.float32)
-        for start in range(0, flat.numel(), SLICE_ELEMENTS)
+        torch.linalg.vector_norm(flat[start : start + capacity], dtype=torch.float32)
+        for start in range(0, flat.numel(), capacity)
     ]
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
-def _slices(
-    sizes: Sequence[tuple[int, bool]], capacity: int
-) -> Iterator[list[tuple[int, int, int]]]:
-    """Group ``(numel, splittable)`` items into batches of at most ``capacity`` elements.
-
-    Yields lists of ``(item, start, stop)``; a splittable item may be cut across batches, an
-    unsplittable one is never cut (and is a batch of its own when larger than ``capacity``).
-    """
-    batch: list[tuple[int, int, int]] = []
-    filled = 0
-    for index, (numel, splittable) in enumerate(sizes):
-        if not splittable:
-            if batch and filled + numel > capacity:
-                yield batch
-                batch, filled = [], 0
-            batch.append((index, 0, numel))
-            filled += numel
-            continue
-        start = 0
-        while True:
-            take = min(numel - start, capacity - filled)
-            if take <= 0 and start < numel:  # full (or past full, after a large whole item)
-                yield batch
-                batch, filled = [], 0
-                continue
-            batch.append((index, start, start + take))
-            filled += take
-            start += take
-            if start == numel:
-                break
-    if batch:
-        yield batch
+def _by_device(
+    entries: list[Entry], factors: Tensor
+) -> dict[torch.device, tuple[list[Entry], Tensor]]:
+    """``entries`` and their ``factors`` per device of their parameters, in order."""
+    devices = {e.param.device for e in entries}
+    if devices == {factors.device}:
+        return {factors.device: (entries, factors)}
+    found: dict[torch.device, tuple[list[Entry], list[int]]] = {}
+    for i, e in enumerate(entries):
+        found.setdefault(e.param.device, ([], []))
+        found[e.param.device][0].append(e)
+        found[e.param.device][1].append(i)
+    return {
+        device: (chosen, factors[torch.tensor(indices, device=factors.device)].to(device))
+        for device, (chosen, indices) in found.items()
+    }
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -160,9 +93,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # GradScaler.step() hands this optimizer its scale and found_inf instead of unscaling 16-bit
     # gradients itself (which it refuses to do).
     _step_supports_amp_scaling = True
-
-    # Set by each optimizer.
-    _functional_name: str = ""
 
     def __init__(
         self,
@@ -198,8 +128,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Tensor | None = None
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
-        # fused=True: per parameter, the memory its 1-D aliases were made for, and the aliases.
-        self._fused_aliases: dict[Tensor, tuple[tuple[int, ...], list[Tensor]]] = {}
+        self._workspace = Workspace()  # buffers small parameters are packed into
         self._grad_storage = GradientStorage(grad_dtype)
         # The storage does not reference the optimizer: it is released when the optimizer dies.
         self._release_storage = weakref.finalize(self, self._grad_storage.release)
@@ -221,7 +150,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         settings = state.pop("mixedopt", {})
         super().__setstate__(state)
         if "_grad_storage" in self.__dict__:
-            self._fused_aliases.clear()  # they hold the replaced state's memory
+            self._workspace.clear()  # its views and aliases hold the replaced state's memory
             return
         self._set_up(
             settings.get("grad_dtype", torch.float16),
@@ -301,31 +230,36 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._grad_storage.flush()  # gradients of a backward that ended early
 
-        entries = [self._collect(group) for group in self.param_groups]
-        if not any(entries):
+        steps = [(g, self._collect(g)) for g in self.param_groups]
+        steps = [(group, entries) for group, entries in steps if entries]
+        if not steps:
             return loss
         found_inf = getattr(self, "found_inf", None)
-        unscale, skip = self._unscale_and_skip(
-            [e for group in entries for e in group], getattr(self, "grad_scale", None), found_inf
+        factors, skip = self._factors_and_skip(
+            [e for _, entries in steps for e in entries],
+            getattr(self, "grad_scale", None),
+            found_inf,
         )
-        steps = [(g, e) for g, e in zip(self.param_groups, entries, strict=True) if e]
-
-        fused = all(self._fused_ready(group, group_entries) for group, group_entries in steps)
-        if fused and skip.device.type != "cpu":
-            # No host synchronisation: the kernels keep the old values where skip is set.
-            for group, group_entries in steps:
-                self._fused_step_group(group, group_entries, unscale, skip)
-            if self._skipped_on_device is None:
-                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
-            self._skipped_on_device += skip
-            return loss
-        if not bool(skip):  # on the CPU, reading the flag costs nothing
-            for group, group_entries in steps:
+        fused = all(self._fused_ready(group, entries) for group, entries in steps)
+        on_device = fused and skip.device.type != "cpu"
+        # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
+        # old values where it is set, without host synchronisation.
+        if on_device or not bool(skip):
+            start = 0
+            for group, entries in steps:
+                group_factors = factors[start : start + len(entries)]
+                start += len(entries)
                 if fused:
-                    self._fused_step_group(group, group_entries, unscale, None)
+                    device_skip = skip if on_device else None
+                    self._fused_step_group(group, entries, group_factors, device_skip)
                 else:
-                    self._step_group(group, group_entries, unscale)
+                    self._step_group(group, entries, group_factors)
+            if on_device:
+                if self._skipped_on_device is None:
+                    self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
+                self._skipped_on_device += skip
             return loss
 
         self._skipped_on_host += 1
@@ -338,8 +272,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             )
         return loss
 
-    def _collect(self, group: dict[str, Any]) -> list[_Entry]:
+    def _collect(self, group: dict[str, Any]) -> list[Entry]:
         name = type(self).__name__
+        storage = self._grad_storage
         found = []
         for p in group["params"]:
             grad = p.grad
@@ -355,18 +290,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     f"mixedopt.{name} got a gradient of dtype {grad.dtype}; a gradient must be "
                     "float16, bfloat16 or float32"
                 )
-            storage = self._grad_storage
-            found.append(_Entry(p, grad, storage.scale_of(p), storage.known_abs_max(p)))
+            found.append(Entry(p, grad, *storage.stats_of(p), is_dtensor(p)))
         return found
 
-    def _unscale_and_skip(
-        self, entries: list[_Entry], grad_scale: Tensor | None, found_inf: Tensor | None
+    def _factors_and_skip(
+        self, entries: list[Entry], grad_scale: Tensor | None, found_inf: Tensor | None
     ) -> tuple[Tensor, Tensor]:
-        """The factor shared by all gradients (1/loss scale x clip coefficient) and the skip flag.
+        """Each gradient's factor (to its true, unscaled, clipped value) and the skip flag.
 
-        Both are 0-dim tensors on the first parameter's device, computed without host
-        synchronisation. With ``max_grad_norm`` it also records ``last_grad_norm``, the L2 norm
-        of all true gradients before clipping, computed as ``clip_grad_norm_`` does.
+        The factors are a 1-D float32 tensor (one per entry) and the flag a 0-dim bool tensor,
+        both on the first parameter's device, computed with a fixed number of operations and
+        without host synchronisation. With ``max_grad_norm`` it also records
+        ``last_grad_norm``, the L2 norm of all true gradients before clipping, computed as
+        ``clip_grad_norm_`` does.
         """
         device = entries[0].param.device
         unscale = torch.ones((), dtype=torch.float32, device=device)
@@ -375,24 +311,59 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
         if found_inf is not None:  # GradScaler checked every gradient already
             skip = found_inf.to(device) > 0
+        # One row [storage scale, |true gradient| bound] per gradient.
+        stats, _ = self._grad_storage.stats_table([(e.stats, e.row) for e in entries], device)
+        scales = stats[:, 0]
         if self.max_grad_norm is not None:
-            norms = full_values(e.unscaled(_l2_norm(e.grad)) for e in entries)
-            norms = [norm.to(device) for norm in norms]
-            total = torch.linalg.vector_norm(torch.stack(norms) * unscale)
+            norms = self._stored_norms(entries, device) / scales
+            total = torch.linalg.vector_norm(norms * unscale)
             self.last_grad_norm = total
             skip = skip | ~torch.isfinite(total)
             unscale = unscale * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         elif found_inf is None:
-            # Backward measured most gradients already: only the others are read here.
-            amax = full_values(
-                abs_max(e.grad) if e.known_abs_max is None else e.known_abs_max for e in entries
-            )
-            skip = ~torch.stack([a.to(device) for a in amax]).isfinite().all()
-        return unscale, skip
+            amax = stats[:, 1]
+            # Backward measured the gradients it stored: only the others are read here.
+            unknown = [i for i, e in enumerate(entries) if not e.amax_current]
+            if unknown:
+                measured = full_values(abs_max(entries[i].grad) for i in unknown)
+                at = torch.tensor(unknown, device=device)
+                amax = amax.index_put(
+                    (at,), torch.stack([m.to(device) for m in measured]) / scales[at]
+                )
+            skip = ~amax.isfinite().all()
+        return unscale / scales, skip
 
-    def _step_group(self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor) -> None:
+    @staticmethod
+    def _stored_norms(entries: list[Entry], device: torch.device) -> Tensor:
+        """The float32 L2 norm of each stored gradient (a 1-D tensor on ``device``)."""
+        norms: list[Tensor | None] = [None] * len(entries)
+        capacity = _packing.budget(device).capacity
+        together = [
+            i
+            for i, e in enumerate(entries)
+            if e.grad.device == device and e.grad.numel() <= capacity and not is_dtensor(e.grad)
+        ]
+        if together:
+            found = torch._foreach_norm([entries[i].grad for i in together], 2, dtype=torch.float32)
+            for i, norm in zip(together, found, strict=True):
+                norms[i] = norm
+        for i, e in enumerate(entries):
+            if norms[i] is None:
+                norms[i] = _l2_norm(e.grad)
+        return torch.stack([n.to(device) for n in full_values(norms)])  # type: ignore[arg-type]
+
+    @staticmethod
+    def _foreach(group: dict[str, Any]) -> bool:
+        """Whether the functional update runs torch's foreach implementation.
+
+        ``foreach=None`` takes it on every device, where torch takes it on CUDA only: on a CPU
+        it costs less than the for-loop one for the same result, and mixedopt's batches bound
+        its temporaries. ``foreach=False`` keeps the for-loop one.
+        """
+        return group["foreach"] is not False
+
+    def _step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
         keys = self._state_keys(group)
-        by_device: dict[torch.device, list[_Entry]] = {}
         for e in entries:
             # Like the parent, an optimizer with no state (SGD without momentum) records none.
             if keys:
@@ -400,57 +371,19 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 self._init_state(e.param, group, e.state)
             for key in keys:
                 if e.state.get(key) is None:
-                    e.created_state[key] = torch.empty_like(e.param)
-            e.plan(keys, e.state)
-            by_device.setdefault(e.param.device, []).append(e)
-        for device, device_entries in by_device.items():
-            self._step_slices(group, device_entries, keys, unscale.to(device))
-        for e in entries:
-            e.state.update(e.created_state)
+                    e.created[key] = torch.empty_like(e.param)
 
-    def _step_slices(
-        self, group: dict[str, Any], entries: list[_Entry], keys: list[str], unscale: Tensor
-    ) -> None:
-        """Upcast and unscale the gradients slice by slice, and update each slice."""
-        sizes = [(e.param_view.numel(), e.splittable) for e in entries]
-        largest_whole = max((n for n, splittable in sizes if not splittable), default=0)
-        per_slice = SLICE_ELEMENTS if unscale.device.type == "cpu" else ACCELERATOR_SLICE_ELEMENTS
-        capacity = max(min(per_slice, sum(n for n, _ in sizes)), largest_whole)
-        buffer = torch.empty(capacity, dtype=torch.float32, device=unscale.device)
-        factors = [e.unscaled(unscale) for e in entries]
-        for batch in _slices(sizes, per_slice):
-            params: list[Tensor] = []
-            grads: list[Tensor] = []
-            states: dict[str, list[Tensor | None]] = {key: [] for key in keys}
-            steps: list[Tensor] = []
-            created: list[tuple[Tensor, list[Tensor | None], int]] = []
-            filled = 0
-            for i, start, stop in batch:
-                e = entries[i]
-                grad = e.piece(e.grad_view, start, stop)
-                out = buffer[filled : filled + stop - start].view(grad.shape)
-                filled += stop - start
-                out.copy_(grad).mul_(factors[i])  # upcast, then unscale in float32, in cache
-                params.append(e.piece(e.param_view, start, stop))
-                grads.append(out)
-                for key, view in zip(keys, e.state_views, strict=True):
-                    piece = e.piece(view, start, stop)
-                    if key in e.created_state:  # the functional creates it: copied in below
-                        created.append((piece, states[key], len(states[key])))
-                        states[key].append(None)
-                    else:
-                        states[key].append(piece)
-                step = e.state.get("step")
-                if step is not None:
-                    # The counter advances once per parameter: earlier slices advance a copy.
-                    steps.append(step if stop == e.param_view.numel() else step.clone())
+        def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
             self._update(group, params, grads, states, steps)
-            for destination, values, position in created:
-                destination.copy_(values[position])
+
+        for device_entries, device_factors in _by_device(entries, factors).values():
+            default_update(update, keys, device_entries, device_factors, self._workspace)
+        for e in entries:
+            e.state.update(e.created)
 
     # ------------------------------------------------------------------ fused=True
 
-    def _fused_ready(self, group: dict[str, Any], entries: list[_Entry]) -> bool:
+    def _fused_ready(self, group: dict[str, Any], entries: list[Entry]) -> bool:
         """Whether this group steps with the compiled kernels now.
 
         Only once every parameter has its state: the first step runs the default path, which
@@ -462,101 +395,65 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
 
     def _fused_step_group(
-        self, group: dict[str, Any], entries: list[_Entry], unscale: Tensor, skip: Tensor | None
+        self, group: dict[str, Any], entries: list[Entry], factors: Tensor, skip: Tensor | None
     ) -> None:
-        """Update ``entries`` with the compiled kernels, ``CHUNK`` parameters per call.
+        """Update ``entries`` with the compiled kernels (``_fused_step.py``).
 
         ``skip`` is None on the CPU (the caller does not step when a gradient is inf/NaN).
         """
         keys = self._state_keys(group)
         # maximize: the kernels get the negated gradient, as torch's update negates it.
-        signed_unscale = -unscale if group["maximize"] else unscale
-        steps = []
-        for e in entries:
-            state = self.state[e.param]
-            step = state.get("step")
-            if step is not None and step.device != e.param.device:
-                step = state["step"] = step.to(e.param.device)  # from a non-fused checkpoint
-            steps.append(step)
-        coefficients = self._fused_coefficients(group, steps)
-        per_param = []  # each parameter's kernel arguments, in the kernel's order
-        for e, step, step_coefficients in zip(entries, steps, coefficients, strict=True):
-            param, grad, states = self._fused_tensors(e, keys, self.state[e.param])
-            views = dict(zip(keys, states, strict=True))
-            factor = e.unscaled(signed_unscale)
-            if factor.device != param.device:
-                factor = factor.to(param.device)
-            per_param.append(
-                (
-                    param,
-                    grad,
-                    factor,
-                    step,
-                    *[views.get(key) for key in self._fused_state_order],
-                    *step_coefficients,
-                )
-            )
+        if group["maximize"]:
+            factors = -factors
         hyperparameters = self._fused_hyperparameters(group)
-        # A group may hold parameters on several devices: a chunk is on one, with its skip flag.
-        by_device: dict[torch.device, list[int]] = {}
-        for i, e in enumerate(entries):
-            by_device.setdefault(e.param.device, []).append(i)
-        done = [False] * len(entries)
-        for device, indices in by_device.items():
-            shared = (None if skip is None else skip.to(device), *hyperparameters)
-            for positions in _fused.chunks([per_param[i] for i in indices]):
-                chunk = [indices[position] for position in positions]
-                if not _fused.run(self._fused_each, [per_param[i] for i in chunk], shared):
-                    # No compiler: what is left of the step takes the default path.
-                    if skip is None or not bool(skip):
-                        rest = [e for e, ran in zip(entries, done, strict=True) if not ran]
-                        self._step_group(group, rest, unscale)
-                    return
-                for i in chunk:
-                    done[i] = True
-
-    def _fused_tensors(
-        self, e: _Entry, keys: list[str], state: dict[str, Any]
-    ) -> tuple[Tensor, Tensor, list[Tensor]]:
-        """Parameter, gradient and state as the kernels take them: 1-D when dense."""
-        tensors = [e.param, *(state[key] for key in keys)]
-        if (
-            all(t.is_contiguous() for t in tensors)
-            and e.grad.is_contiguous()
-            and not is_dtensor(e.param)
-        ):
-            # The aliases of weights and state are kept while they stay on the same memory.
-            memory = (e.param.numel(), *(t.data_ptr() for t in tensors))
-            cached = self._fused_aliases.get(e.param)
-            if cached is None or cached[0] != memory:
-                cached = self._fused_aliases[e.param] = (
-                    memory,
-                    [_fused.flat_alias(t) for t in tensors],
+        for device, (device_entries, device_factors) in _by_device(entries, factors).items():
+            steps = []
+            for e in device_entries:
+                e.state = self.state[e.param]
+                step = e.state.get("step")
+                if step is not None:
+                    if step.device != device:  # from a non-fused checkpoint
+                        step = e.state["step"] = step.to(device)
+                    steps.append(step)
+            coefficients = self._fused_coefficients(group, torch.stack(steps)) if steps else []
+            device_skip = None if skip is None else skip.to(device)
+            left = fused_update(
+                self._fused_kernel,
+                keys,
+                self._fused_state_order,
+                device_entries,
+                device_factors,
+                coefficients,
+                (device_skip, *hyperparameters),
+                self._workspace,
+            )
+            done = set(range(len(device_entries))) - set(left)
+            advanced = [steps[i] for i in sorted(done)] if steps else []
+            if advanced:
+                torch._foreach_add_(advanced, 1 if device_skip is None else (~device_skip).float())
+            if left and device_skip is None:  # no compiler: the rest takes the default path
+                rest = torch.tensor(left, device=device_factors.device)
+                sign = -1 if group["maximize"] else 1
+                self._step_group(
+                    group, [device_entries[i] for i in left], sign * device_factors[rest]
                 )
-            param, *states = cached[1]
-            return param, _fused.flat_alias(e.grad), states
-        e.plan(keys, state)
-        param, grad, states = e.param_view, e.grad_view, e.state_views
-        if e.splittable:
-            param, grad, *states = [_fused.flat_alias(t) for t in (param, grad, *states)]
-        # Compiled code must not see the parameter's 16-bit .grad.
-        return param.detach(), grad, states
 
     # ------------------------------------------------------------------ per optimizer
 
-    # The compiled update over a chunk of parameters (``_fused.py``), its state arguments in
+    # The compiled update of one parameter or one pack (``_fused.py``), its state arguments in
     # order, and the arguments the group shares.
-    _fused_each: Callable[..., None]
+    _fused_kernel: Callable[..., None]
     _fused_state_order: tuple[str, ...] = ()
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         raise NotImplementedError
 
-    def _fused_coefficients(
-        self, group: dict[str, Any], steps: list[Tensor | None]
-    ) -> list[tuple[Tensor, ...]]:
-        """Per-parameter coefficients that depend on its step counter (Adam's bias corrections)."""
-        return [()] * len(steps)
+    def _fused_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
+        """Coefficients per parameter that depend on its step counter (Adam's bias corrections).
+
+        Each is a 1-D tensor like ``steps``.
+        """
+        return []
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         """Elementwise float32 state tensors the update reads for this group, in order."""

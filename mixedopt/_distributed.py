@@ -27,9 +27,14 @@ from torch import Tensor
 
 def is_dtensor(t: Tensor) -> bool:
     """Whether ``t`` is a DTensor (an FSDP2 sharded parameter, for one)."""
+    if type(t) in _PLAIN:  # the common case, decided without a lookup
+        return False
     # Without importing torch.distributed.tensor (half a second): no DTensor exists before it.
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(t, module.DTensor)
+
+
+_PLAIN = (Tensor, torch.nn.Parameter)
 
 
 def local(t: Tensor) -> Tensor:

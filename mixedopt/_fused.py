@@ -1,16 +1,17 @@
-"""``fused=True``: each parameter's update in one compiled pass over its memory.
+"""``fused=True``: the update kernels, compiled with ``torch.compile``.
 
-Each kernel below reads the 16-bit gradient, upcasts and unscales it, computes the parent's
-update in float32, and writes weights and state. The kernels are compiled with
-``torch.compile`` (Inductor emits C++ on CPU and Triton on CUDA) with dynamic shapes, and every
-number that may change between steps (learning rate, betas, momentum, scales) is a 0-dim tensor:
-one compilation serves every parameter size and every step. ``None`` in place of a tensor
-(no weight decay, no skip flag), the presence of optional state and the Python booleans
-(``nesterov``, which of torch.lerp's formulas applies) are part of the compiled layout, so that a
-kernel does no per-element work for an option that is off.
+Each kernel reads the 16-bit gradient, upcasts and unscales it, computes the parent's update in
+float32, and writes weights and state. The kernels are compiled with ``torch.compile`` (Inductor
+emits C++ on CPU and Triton on CUDA) with dynamic shapes, and every number that may change
+between steps (learning rate, betas, momentum, scales) is a tensor: one compilation serves every
+size and every step. ``None`` in place of a tensor (no weight decay, no skip flag), the presence
+of optional state and the Python booleans (``nesterov``, which of torch.lerp's formulas applies)
+are part of the compiled layout, so that a kernel does no per-element work for an option that is
+off.
 
-Parameters are updated in chunks of ``CHUNK`` per compiled call (``*_each``), so that the cost of
-a call (guards, wrapper) is paid once per chunk rather than once per parameter.
+A kernel is called on one large parameter (1-D tensors, 0-dim factor and coefficients) or on a
+pack of small ones (``_fused_step.py``: ``rows x ROW`` tensors, a factor and coefficients per
+row, shaped ``(rows, 1)``): two compiled variants per layout.
 
 On an accelerator the kernels get ``skip`` (an inf/NaN gradient) as a 0-dim tensor and write
 back what was there when it is set, so that no host synchronisation is needed to decide. On the
@@ -22,17 +23,12 @@ these kernels are tested against.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor
-
-# Parameters per compiled call. A chunk of another length compiles once more, so the parameters
-# left over after the full chunks go one at a time: two compilations per kernel layout at most.
-CHUNK = 8
 
 
 def _write(destination: Tensor, new: Tensor, skip: Tensor | None) -> None:
@@ -53,8 +49,8 @@ def _lerp(start: Tensor, end: Tensor, weight: Tensor, weight_below_half: bool) -
 
 
 # Every kernel takes the parameter, its stored gradient, ``factor`` (turns the stored gradient
-# into the true one, negated for ``maximize``), its step counter and its state, then
-# per-parameter coefficients, then what the whole group shares. The coefficients (1 - beta2,
+# into the true one, negated for ``maximize``) and its state, then per-parameter coefficients,
+# then what the whole group shares. The coefficients (1 - beta2,
 # bias corrections, ...) arrive as float32 0-dim tensors computed in float64 outside the kernels,
 # as torch.optim computes them in Python before its float32 kernels: the kernels do float32
 # elementwise work only, and nothing per element that could be done once.
@@ -64,7 +60,6 @@ def rmsprop_kernel(
     param: Tensor,
     grad: Tensor,
     factor: Tensor,
-    step: Tensor,
     square_avg: Tensor,
     momentum_buffer: Tensor | None,
     grad_avg: Tensor | None,
@@ -96,14 +91,12 @@ def rmsprop_kernel(
         new_param = param - lr * (g / avg)
     _write(square_avg, new_square_avg, skip)
     _write(param, new_param, skip)
-    _write(step, step + 1, skip)
 
 
 def adam_kernel(
     param: Tensor,
     grad: Tensor,
     factor: Tensor,
-    step: Tensor,
     exp_avg: Tensor,
     exp_avg_sq: Tensor,
     max_exp_avg_sq: Tensor | None,
@@ -139,23 +132,30 @@ def adam_kernel(
     _write(param, decayed - step_size * (new_exp_avg / denom), skip)
     _write(exp_avg, new_exp_avg, skip)
     _write(exp_avg_sq, new_exp_avg_sq, skip)
-    _write(step, step + 1, skip)
 
 
 def adam_step_coefficients(
-    lr: float | Tensor, beta1: float, beta2: float, step: Tensor
+    lr: float | Tensor, beta1: float, beta2: float, steps: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Adam's step size and 1 / sqrt(second bias correction) for the coming step.
+    """Adam's step size and 1 / sqrt(second bias correction) for the coming step of each counter.
 
-    Computed in float64 and rounded to float32. The kernel multiplies by the inverse where torch
+    ``steps`` is a 1-D tensor of step counters; the results are float32 tensors like it,
+    computed in float64 and rounded to float32. The kernel multiplies by the inverse where torch
     divides (a division per element costs more than the memory traffic on a CPU): at most an ulp
-    apart. A step counter on the CPU is read (free there); one on an accelerator stays there.
+    apart. Counters on the CPU are read (free there), and each distinct count is computed once
+    in Python, as torch.optim computes it; counters on an accelerator stay there.
     """
-    if step.device.type == "cpu" and not isinstance(lr, Tensor):
-        next_step = step.item() + 1
-        step_size, inverse = scalars(lr / (1 - beta1**next_step), (1 - beta2**next_step) ** -0.5)
-        return step_size, inverse
-    next_step = step.double() + 1
+    if steps.device.type == "cpu" and not isinstance(lr, Tensor):
+        counts = steps.tolist()
+        by_count: dict[float, tuple[float, float]] = {}
+        for count in counts:
+            if count not in by_count:
+                n = count + 1
+                by_count[count] = (lr / (1 - beta1**n), (1 - beta2**n) ** -0.5)
+        values = [by_count[count] for count in counts]
+        table = torch.tensor(values, dtype=torch.float64).float().reshape(-1, 2)
+        return table[:, 0], table[:, 1]
+    next_step = steps.double() + 1
     step_size = lr / (1 - beta1**next_step)
     return step_size.float(), (1 - beta2**next_step).rsqrt().float()
 
@@ -164,7 +164,6 @@ def sgd_kernel(
     param: Tensor,
     grad: Tensor,
     factor: Tensor,
-    step: None,
     momentum_buffer: Tensor | None,
     skip: Tensor | None,
     lr: Tensor,
@@ -182,26 +181,6 @@ def sgd_kernel(
         g = g + momentum * new_buffer if nesterov else new_buffer
         _write(momentum_buffer, new_buffer, skip)
     _write(param, param - lr * g, skip)
-
-
-# One compiled function per kernel, over a chunk of parameters: ``per_param`` holds each
-# parameter's arguments, ``shared`` the group's. Separate functions, because torch.compile keeps
-# (and limits) its compiled variants per function.
-
-
-def rmsprop_each(per_param: Sequence[tuple[Any, ...]], shared: tuple[Any, ...]) -> None:
-    for arguments in per_param:
-        rmsprop_kernel(*arguments, *shared)
-
-
-def adam_each(per_param: Sequence[tuple[Any, ...]], shared: tuple[Any, ...]) -> None:
-    for arguments in per_param:
-        adam_kernel(*arguments, *shared)
-
-
-def sgd_each(per_param: Sequence[tuple[Any, ...]], shared: tuple[Any, ...]) -> None:
-    for arguments in per_param:
-        sgd_kernel(*arguments, *shared)
 
 
 def flat_alias(t: Tensor) -> Tensor:
@@ -227,52 +206,20 @@ def optional(value: float) -> Tensor | None:
     return None if value == 0 else scalars(value)[0]
 
 
-def chunks(per_param: Sequence[tuple[Any, ...]]) -> Iterator[list[int]]:
-    """Indices into ``per_param`` for each compiled call: runs of ``CHUNK``, then singles.
-
-    A parameter's tuple starts with its parameter; only contiguous 1-D ones (the flat aliases of
-    dense parameters) of 2 elements or more are chunked, so that a chunk's compiled variant depends
-    neither on parameter ranks nor on sizes 0 and 1 (which dynamic shapes specialise).
-    """
-    flat = [i for i, arguments in enumerate(per_param) if _chunkable(arguments[0])]
-    whole = len(flat) - len(flat) % CHUNK
-    for start in range(0, whole, CHUNK):
-        yield flat[start : start + CHUNK]
-    rest = set(range(len(per_param))) - set(flat[:whole])
-    for i in sorted(rest):
-        yield [i]
-
-
-def _chunkable(param: Tensor) -> bool:
-    return param.dim() == 1 and param.numel() >= 2 and param.is_contiguous()
-
-
 _compiled: dict[Callable[..., None], Callable[..., None]] = {}
 _unavailable_reason: str | None = None
 
 
-def compiled(each: Callable[..., None]) -> Callable[..., None]:
-    """The compiled version of ``each`` (compiled on first call, then cached by torch)."""
-    if each not in _compiled:
+def compiled(kernel: Callable[..., None]) -> Callable[..., None]:
+    """The compiled version of ``kernel`` (compiled on first call, then cached by torch)."""
+    if kernel not in _compiled:
         # Inductor decides at compile time whether a C++ loop runs on several threads, from
-        # the sizes it compiles for: a chunk of small parameters would leave every later one
+        # the sizes it compiles for: a small first call would leave every later one
         # single-threaded. With dynamic_threads every loop is parallel and OpenMP decides.
-        _compiled[each] = torch.compile(
-            each, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}
+        _compiled[kernel] = torch.compile(
+            kernel, dynamic=True, fullgraph=True, options={"cpp.dynamic_threads": True}
         )
-    return _compiled[each]
-
-
-def _distinct_sizes() -> contextlib.AbstractContextManager[Any]:
-    """Compile a chunk's sizes as independent symbols.
-
-    By default torch.compile gives equal sizes one symbol and recompiles when a later chunk's
-    sizes are equal in another pattern; chunks of a real model differ in that pattern.
-    """
-    config = getattr(torch.fx.experimental, "_config", None)
-    if config is None or not hasattr(config, "use_duck_shape"):
-        return contextlib.nullcontext()
-    return config.patch(use_duck_shape=False)
+    return _compiled[kernel]
 
 
 def available() -> bool:
@@ -280,32 +227,30 @@ def available() -> bool:
     return _unavailable_reason is None
 
 
-# Compiled variants per kernel: a chunk and a single parameter, times the layouts a process uses
+# Compiled variants per kernel: a pack and a single parameter, times the layouts a process uses
 # (options on or off, gradient dtypes, devices). torch.compile's default limit, 8 per function,
 # is soon reached by a process with several optimizers; past this one, kernels run uncompiled.
 RECOMPILE_LIMIT = 64
 _over_limit: set[Callable[..., None]] = set()  # warned about
 
 
-def run(
-    each: Callable[..., None], per_param: list[tuple[Any, ...]], shared: tuple[Any, ...]
-) -> bool:
-    """Run the compiled ``each``; False (after one warning) when no compiler is available.
+def run(kernel: Callable[..., None], arguments: tuple[Any, ...]) -> bool:
+    """Run the compiled ``kernel``; False (after one warning) when no compiler is available.
 
-    A single parameter of fewer than 2 elements runs eagerly: compiled with dynamic shapes,
-    sizes 0 and 1 would each be compiled again. So does a chunk of a new layout once its kernel
-    has ``RECOMPILE_LIMIT`` compiled variants (after one warning): the same arithmetic, in
-    several passes.
+    A parameter of fewer than 2 elements runs eagerly: compiled with dynamic shapes, sizes 0 and
+    1 would each be compiled again. So does a call of a new layout once the kernel has
+    ``RECOMPILE_LIMIT`` compiled variants (after one warning): the same arithmetic, in several
+    passes.
     """
     global _unavailable_reason
     if _unavailable_reason is not None:
         return False
-    if len(per_param) == 1 and per_param[0][0].numel() < 2:
-        each(per_param, shared)
+    if arguments[0].numel() < 2:
+        kernel(*arguments)
         return True
     try:
-        with _distinct_sizes(), torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            compiled(each)(per_param, shared)
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            compiled(kernel)(*arguments)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         # Compilation fails before anything is written: the caller falls back safely.
         _unavailable_reason = str(error).splitlines()[0]
@@ -313,18 +258,18 @@ def run(
             "mixedopt: fused=True needs torch.compile, which failed here "
             f"({_unavailable_reason}); using the default (unfused) step from now on",
             RuntimeWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
         return False
     except torch._dynamo.exc.FailOnRecompileLimitHit:
         # Raised before anything runs: nothing was written. Layouts compiled so far stay so.
-        if each not in _over_limit:
-            _over_limit.add(each)
+        if kernel not in _over_limit:
+            _over_limit.add(kernel)
             warnings.warn(
-                f"mixedopt: fused=True has compiled {each.__name__} for {RECOMPILE_LIMIT} "
+                f"mixedopt: fused=True has compiled {kernel.__name__} for {RECOMPILE_LIMIT} "
                 "parameter layouts; parameters of other layouts are updated uncompiled",
                 RuntimeWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
-        each(per_param, shared)
+        kernel(*arguments)
     return True

@@ -9,17 +9,33 @@ What ``p.grad`` holds
 
 How it gets there (PyTorch >= 2.10)
     * ``p.grad_dtype = None`` lets autograd accept a ``.grad`` whose dtype differs from ``p``.
-    * A post-accumulate-grad hook turns the fp32 gradient of the first ``backward()`` into a
-      scaled 16-bit tensor.
-    * A pre-hook on the parameter's ``AccumulateGrad`` node handles further ``backward()`` calls
-      (gradient accumulation): it picks a scale that fits old and new gradient, rescales the
-      stored tensor in place and scales the incoming fp32 gradient, which autograd then adds in
-      place into the 16-bit ``.grad`` (computed in fp32, rounded once). A node hook, not a
-      tensor hook: tensor hooks also run for ``torch.autograd.grad`` and would scale its result.
+    * A pre-hook on the parameter's ``AccumulateGrad`` node receives each float32 gradient before
+      autograd stores it, takes it, and hands autograd no gradient, so that autograd stores
+      nothing. A node hook, not a tensor hook: tensor hooks also run for
+      ``torch.autograd.grad`` and would take its result.
+    * A gradient of up to ``_packing.budget(device).bucket_small`` elements waits in a bucket, as
+      DistributedDataParallel's reducer does: the hook only appends it. A bucket is stored when
+      the next gradient would not fit (``capacity`` elements) and at the end of ``backward()``,
+      from a callback queued on the autograd engine. Storing a bucket is a fixed number of
+      operations, whatever the number of its gradients (``_store_bucket``): copy them into a
+      float32 staging buffer of rows, take the largest magnitude of each, compute the scales, and
+      write all of them in one multiplication into one 16-bit buffer, of which each ``p.grad`` is
+      a view with the parameter's layout.
+    * A larger gradient is stored at once, on its own (``_store_alone``): its bytes outweigh
+      the few operations that costs. It is also the plain reference of the bucket path.
+    * Gradient accumulation: a gradient already in ``p.grad`` when a new one arrives (stored by
+      mixedopt, or assigned by hand) is added to it in float32 before the sum is scaled, so the
+      sum is rounded to 16 bits once and its scale fits the sum itself.
 
 A gradient assigned by hand (``p.grad = g``) is taken as the true gradient (scale 1); one changed
 in place (``zero_grad(set_to_none=False)``, ``p.grad.mul_(...)``) keeps its scale. All of this is
-device work on 0-dim tensors: no host synchronisation on CUDA.
+device work: no host synchronisation on CUDA.
+
+Transient memory of a backward: a bucket's gradients (at most ``capacity`` float32 elements,
+which autograd would have kept as ``.grad`` anyway), the staging buffer (``capacity`` float32
+elements, kept between backwards, zero outside what a bucket writes) and, while a bucket is
+stored, a float32 temporary of its size; a gradient stored on its own costs nothing beyond
+itself, or one float32 copy when it is added to an earlier one.
 """
 
 from __future__ import annotations
@@ -32,7 +48,9 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
+from . import _packing
 from ._distributed import ddp_managed, process_group_exists
+from ._packing import ROW, LayoutCache, RowLayout, dense_strides, view_in
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -49,12 +67,13 @@ _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 def power_of_two_scale(amax: Tensor) -> Tensor:
     """Return ``2**k`` with ``amax * 2**k`` in ``[2**7, 2**8)`` (``2**8`` for a zero ``amax``).
 
-    A non-finite ``amax`` gives a scale that keeps the stored tensor non-finite, so that ``step()``
-    sees it.
+    Elementwise, for one or many tensors. A non-finite ``amax`` gives a scale that keeps the
+    stored tensor non-finite, so that ``step()`` sees it.
     """
     _, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
     k = (_TARGET_EXPONENT - exponent).clamp_(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
-    return torch.ldexp(torch.ones_like(amax), k)
+    # 2.0**k is exact for these k (torch.ldexp is computed the same way).
+    return torch.pow(2.0, k).to(amax.dtype)
 
 
 def abs_max(t: Tensor) -> Tensor:
@@ -70,18 +89,24 @@ def abs_max(t: Tensor) -> Tensor:
 
 
 class _Slot:
-    """What the storage knows about one parameter's ``.grad``."""
+    """What the storage knows about one parameter and its ``.grad``."""
 
     __slots__ = (
         "param",
         "accumulator",
         "handles",
         "original_grad_dtype",
-        "scale",
-        "amax",
+        "stats",
+        "row",
         "grad_ref",
         "grad_version",
         "engine_owned",
+        "pending",
+        "layout",
+        "shape",
+        "strides",
+        "staging_key",
+        "staging_view",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -90,27 +115,60 @@ class _Slot:
         self.accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]
         self.handles: list[Any] = []
         self.original_grad_dtype = param.grad_dtype
-        one = torch.ones((), dtype=torch.float32, device=param.device)
-        self.scale: Tensor = one  # p.grad == true gradient * scale, when p.grad is ours
-        self.amax: Tensor = one  # upper bound of |true gradient| in p.grad
+        # Row ``row`` of ``stats`` is [storage scale, bound on |true gradient|] of the .grad this
+        # storage wrote (p.grad == true gradient * scale); ``stats`` has a row per gradient
+        # stored with it.
+        self.stats: Tensor | None = None
+        self.row = 0
         self.grad_ref: weakref.ref[Tensor] | None = None  # the .grad tensor this storage wrote
         self.grad_version = -1  # its version counter when written
         self.engine_owned = False  # a distributed engine reads the gradient: left float32
+        self.pending = False  # its gradient waits in a bucket
+        # The parameter's strides when its stored gradient's shape and strides were found.
+        self.layout: tuple[int, ...] = ()
+        self.shape = param.shape
+        self.strides: tuple[int, ...] = ()
+        self.staging_key: tuple[int, int] | None = None  # (staging generation, offset) of ...
+        self.staging_view: Tensor | None = None  # ... its view of the staging buffer
 
-    def owns(self, grad: Tensor) -> bool:
-        return self.grad_ref is not None and self.grad_ref() is grad
+    def owns(self, grad: Tensor | None) -> bool:
+        return grad is not None and self.grad_ref is not None and self.grad_ref() is grad
 
-    def sync(self, grad: Tensor) -> None:
-        """Bring ``scale`` and ``amax`` up to date with ``grad`` (the current ``p.grad``)."""
-        if not self.owns(grad):  # assigned by hand, or fresh from autograd: true values
-            self.scale = torch.ones_like(self.scale)
-            self.amax = abs_max(grad)
-        elif grad._version != self.grad_version:  # changed in place: same scale, new values
-            self.amax = abs_max(grad) / self.scale
+    def grad_strides(self) -> tuple[int, ...]:
+        """The strides of the stored gradient: the parameter's own layout when it is dense."""
+        layout = self.param.stride()
+        if layout != self.layout:  # first use, or new memory (``p.data = ...``, channels_last)
+            self.layout, self.shape = layout, self.param.shape
+            self.strides = dense_strides(self.param)
+            self.staging_key = None
+        return self.strides
 
-    def record(self, grad: Tensor) -> None:
+    def record(self, grad: Tensor, stats: Tensor, row: int, version: int) -> None:
+        self.param.grad = grad
         self.grad_ref = weakref.ref(grad)
-        self.grad_version = grad._version
+        self.grad_version = version
+        self.stats, self.row = stats, row
+        self.pending = False
+
+
+class _Bucket:
+    """Gradients of one device waiting to be stored together, in arrival order."""
+
+    __slots__ = ("device", "capacity", "small", "task", "slots", "incoming", "previous", "elements")
+
+    def __init__(self, device: torch.device) -> None:
+        limits = _packing.budget(device)
+        self.device = device
+        self.capacity = limits.capacity  # elements, in whole rows
+        self.small = limits.bucket_small  # the largest gradient that waits in a bucket
+        self.task: int | None = None  # the backward whose end stores this bucket
+        self.slots: list[_Slot] = []
+        self.incoming: list[Tensor] = []  # the gradients autograd computed
+        self.previous: list[Tensor | None] = []  # what p.grad held when they arrived
+        self.elements = 0
+
+    def clear(self) -> None:
+        self.slots, self.incoming, self.previous, self.elements = [], [], [], 0
 
 
 class GradientStorage:
@@ -124,6 +182,15 @@ class GradientStorage:
         self.grad_dtype = grad_dtype
         self._slots: dict[int, _Slot] = {}
         self._engines_checked = False
+        self._buckets: dict[torch.device, _Bucket] = {}
+        # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
+        self._staging: dict[torch.device, Tensor] = {}
+        self._staging_generation = 0  # advances when a staging buffer is replaced
+        # Per device: the layout last written into the staging buffer, and its rows.
+        self._staging_rows: dict[torch.device, tuple[RowLayout, Tensor]] = {}
+        self._layouts = LayoutCache()
+        self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
+        self._indices: dict[tuple[Any, ...], Tensor] = {}  # stats_table's index tensors
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
@@ -144,18 +211,15 @@ class GradientStorage:
         self.check_can_manage(param)
         slot = _Slot(param)
         param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
-        slot.handles.append(slot.accumulator.register_prehook(self._pre_accumulate_hook(slot)))
-        slot.handles.append(
-            param.register_post_accumulate_grad_hook(self._post_accumulate_hook(slot))
-        )
+        slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
         self._slots[id(param)] = slot
         _managed[param] = self
 
     def _leave_to_engines(self) -> None:
         """Leave float32 the gradients of the parameters a DistributedDataParallel reduces.
 
-        Its reducer reads each gradient right after our post-accumulate hook and accepts only
-        the parameter's dtype. Looked up once, at the first backward with a process group.
+        Its reducer reads each gradient right after autograd stores it and accepts only the
+        parameter's dtype. Looked up once, at the first backward with a process group.
         """
         if not process_group_exists():
             return
@@ -176,71 +240,233 @@ class GradientStorage:
                 stacklevel=2,
             )
 
-    def _pre_accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
-        def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[Tensor, ...] | None:
+    # ------------------------------------------------------------------ during backward
+
+    def _accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
+        param, buckets = slot.param, self._buckets
+        graph_task = torch._C._current_graph_task_id
+
+        def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None] | None:
+            # Runs for every parameter in every backward: plain Python, no tensor operation, and
+            # the common case first. Autograd runs the hooks of one device on one thread, and
+            # they share nothing with another device's but the slow path's bookkeeping.
+            incoming = grad_outputs[0]
+            previous = param.grad
+            if (
+                slot.engine_owned
+                or incoming is None
+                or incoming.is_sparse
+                or (previous is not None and previous.is_sparse)
+            ):
+                return None  # autograd stores it; step() refuses sparse gradients clearly
+            bucket = buckets.get(incoming.device)
+            if (
+                bucket is None
+                or bucket.task != graph_task()
+                or slot.pending
+                or incoming.numel() > bucket.small
+            ):
+                return self._take(slot, incoming, previous)
+            elements = -(-incoming.numel() // ROW) * ROW  # whole rows
+            if bucket.elements + elements > bucket.capacity:
+                self._store_bucket(bucket)
+            bucket.slots.append(slot)
+            bucket.incoming.append(incoming)
+            bucket.previous.append(previous)
+            bucket.elements += elements
+            slot.pending = True
+            return (None,)  # taken: autograd stores nothing
+
+        return hook
+
+    def _take(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> tuple[None] | None:
+        """The hook's other cases, out of its way.
+
+        The first gradient of a backward (or of a device), one left waiting by a backward that
+        ended early, and a gradient too large for a bucket.
+        """
+        if not self._engines_checked:
+            self._leave_to_engines()
             if slot.engine_owned:
                 return None
-            incoming = grad_outputs[0]
-            stored = slot.param.grad
-            if stored is None or incoming is None or stored.is_sparse or incoming.is_sparse:
-                return None  # nothing stored yet: the post-accumulate hook stores it
-            slot.sync(stored)
-            bound = slot.amax + abs_max(incoming)
-            new_scale = power_of_two_scale(bound)
-            stored.mul_(new_scale / slot.scale)  # a power of two: exact
-            slot.scale, slot.amax = new_scale, bound
-            return (incoming * new_scale,)
+        device = incoming.device
+        bucket = self._buckets.get(device)
+        if bucket is None:
+            bucket = self._buckets[device] = _Bucket(device)
+        if slot.pending:  # waits from a backward that ended early: stored first
+            self._store_bucket(bucket)
+        if incoming.numel() > bucket.small:
+            self._store_alone(slot, incoming, previous)
+            return (None,)
+        task = torch._C._current_graph_task_id()
+        if bucket.task != task:  # what waits is stored when this backward ends
+            bucket.task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+        elements = -(-incoming.numel() // ROW) * ROW
+        if bucket.elements + elements > bucket.capacity:
+            self._store_bucket(bucket)
+        bucket.slots.append(slot)
+        bucket.incoming.append(incoming)
+        bucket.previous.append(previous)
+        bucket.elements += elements
+        slot.pending = True
+        return (None,)
 
-        return hook
+    def flush(self) -> None:
+        """Store every gradient still waiting in a bucket."""
+        for bucket in list(self._buckets.values()):
+            bucket.task = None
+            self._store_bucket(bucket)
 
-    def _post_accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
-        def hook(param: Tensor) -> None:
-            if not self._engines_checked:
-                self._leave_to_engines()
-            if slot.engine_owned:
-                return
-            grad = param.grad
-            if grad is None or grad.is_sparse:
-                return  # step() refuses sparse gradients with a clear error
-            if grad.dtype != self.grad_dtype:
-                slot.sync(grad)
-                new_scale = power_of_two_scale(slot.amax)
-                stored = torch.empty_like(grad, dtype=self.grad_dtype)
-                # Scale in float32 and round to grad_dtype: one pass.
-                torch.mul(grad, new_scale / slot.scale, out=stored)
-                param.grad = stored
-                slot.scale = new_scale
-            slot.record(param.grad)
+    def _inverse_scales(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
+        """1 / storage scale of each gradient (1 where it holds true values), 0-dim each."""
+        device = grads[0].device
+        stats, rows = self.stats_table(
+            [
+                (slot.stats, slot.row) if slot.owns(g) else (None, 0)
+                for slot, g in zip(slots, grads, strict=True)
+            ],
+            device,
+        )
+        return list(stats[:, 0].reciprocal().unbind())
 
-        return hook
+    @torch.no_grad()
+    def _store_bucket(self, bucket: _Bucket) -> None:
+        """Store a bucket's gradients: a fixed number of operations for all of them."""
+        if not bucket.slots:
+            return
+        slots, device = bucket.slots, bucket.device
+        layout = self._layouts.get([slot.param.numel() for slot in slots], device)
+        staging, rows = self._staging_for(device, layout)
+        generation = self._staging_generation
+        views = []
+        for slot, offset in zip(slots, layout.offsets, strict=True):
+            key = (generation, offset)
+            if slot.staging_key != key or slot.layout != slot.param.stride():
+                strides = slot.grad_strides()
+                slot.staging_view = view_in(staging, offset, slot.param, strides)
+                slot.staging_key = key
+            views.append(slot.staging_view)
+        torch._foreach_copy_(views, bucket.incoming)
+        added = [i for i, previous in enumerate(bucket.previous) if previous is not None]
+        if added:
+            previous = [bucket.previous[i] for i in added]
+            inverse = self._inverse_scales([slots[i] for i in added], previous)  # type: ignore[misc]
+            torch._foreach_addcmul_([views[i] for i in added], previous, inverse)
+        # Largest magnitude per tensor (NaN and inf propagate), then the scales. Two reductions
+        # rather than abs(): no temporary of the bucket's size.
+        amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
+        scales = power_of_two_scale(amax)
+        stored = torch.empty(layout.elements, dtype=self.grad_dtype, device=device)
+        # Scale in float32 and round to grad_dtype: one pass for the whole bucket.
+        torch.mul(rows, layout.per_row(scales), out=stored.view(layout.rows, ROW))
+        stats = torch.stack([scales, amax], dim=1)
+        version = stored._version
+        start = stored.storage_offset()
+        as_strided, reference = stored.as_strided, weakref.ref
+        # One view of ``stored`` per parameter, in its layout (the loop runs per parameter: its
+        # body is kept to what a view and the bookkeeping need).
+        for row, (slot, offset) in enumerate(zip(slots, layout.offsets, strict=True)):
+            grad = as_strided(slot.shape, slot.strides, start + offset)
+            slot.param.grad = grad
+            slot.grad_ref = reference(grad)
+            slot.grad_version, slot.stats, slot.row, slot.pending = version, stats, row, False
+        bucket.clear()
 
-    def scale_of(self, param: Tensor) -> Tensor | None:
-        """The storage scale of ``param.grad`` (``None`` where it holds true values)."""
-        slot = self._slots.get(id(param))
-        grad = param.grad
-        if slot is None or grad is None or not slot.owns(grad):
-            return None
-        return slot.scale
+    def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:
+        """The staging buffer of ``device``, and its rows for ``layout``, zero where they pad.
 
-    def known_abs_max(self, param: Tensor) -> Tensor | None:
-        """A bound on ``|true gradient|`` of ``param`` known without reading ``param.grad``.
+        A bucket writes its gradients where ``layout`` puts them and nothing else, so a bucket
+        of the layout the buffer last had finds its padding still zero; another one zeroes the
+        buffer first.
+        """
+        staging = self._staging.get(device)
+        if staging is None or staging.numel() < layout.elements:
+            staging = self._staging[device] = torch.zeros(layout.elements, device=device)
+            self._staging_generation += 1
+            self._staging_rows.pop(device, None)
+        last = self._staging_rows.get(device)
+        if last is None or last[0] is not layout:
+            rows = staging[: layout.elements].view(layout.rows, ROW)
+            if last is not None:
+                rows.zero_()
+            last = self._staging_rows[device] = (layout, rows)
+        return staging, last[1]
 
-        Measured when backward stored the gradient (inf or NaN there makes it inf or NaN);
-        ``None`` when ``p.grad`` was assigned or changed since.
+    @torch.no_grad()
+    def _store_alone(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> None:
+        """Store one gradient (added to ``previous``) with its own operations."""
+        true = incoming.float()
+        if previous is not None:
+            (inverse,) = self._inverse_scales([slot], [previous])
+            true = torch.addcmul(true, previous, inverse)
+        amax = abs_max(true)
+        scale = power_of_two_scale(amax)
+        param = slot.param
+        stored = torch.empty_strided(
+            param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
+        )
+        torch.mul(true, scale, out=stored)  # scale in float32, round to grad_dtype: one pass
+        slot.record(stored, torch.stack([scale, amax]).unsqueeze(0), 0, stored._version)
+
+    def stats_table(
+        self, found: list[tuple[Tensor | None, int]], device: torch.device
+    ) -> tuple[Tensor, list[int]]:
+        """Rows ``[storage scale, |true gradient| bound]``, one per ``(stats, row)`` in ``found``.
+
+        ``(None, _)`` gives ``[1, 0]``: a gradient holding true values. A fixed number of
+        operations, whatever the number of rows: the tables are joined and indexed once.
+        """
+        tables: dict[int, tuple[int, Tensor]] = {}  # id -> (first row in the join, table)
+        unit = self._unit_stats.get(device)
+        if unit is None:
+            unit = self._unit_stats[device] = torch.tensor([[1.0, 0.0]], device=device)
+        joined = 1  # the unit row comes first
+        index = []
+        for stats, row in found:
+            if stats is None:
+                index.append(0)
+                continue
+            first = tables.get(id(stats))
+            if first is None:
+                first = tables[id(stats)] = (joined, stats)
+                joined += stats.shape[0]
+            index.append(first[0] + row)
+        parts = [unit, *(t.to(device) for _, t in tables.values())]
+        key = (device, tuple(index))
+        positions = self._indices.get(key)
+        if positions is None:
+            if len(self._indices) >= 16:
+                self._indices.clear()
+            positions = self._indices[key] = torch.tensor(index, device=device)
+        return torch.cat(parts).index_select(0, positions), index
+
+    # ------------------------------------------------------------------ for step()
+
+    def stats_of(self, param: Tensor) -> tuple[Tensor | None, int, bool]:
+        """Where ``param.grad``'s storage scale and bound are, and whether the bound holds.
+
+        ``(stats, row, current)``: row ``row`` of ``stats`` is ``[storage scale, bound on |true
+        gradient|]`` (``stats_table`` gathers such rows). ``stats`` is ``None`` where
+        ``param.grad`` holds true values (assigned by hand, or not stored by this storage). The
+        bound was measured when the gradient was stored (inf or NaN there makes it inf or NaN);
+        it no longer holds once ``p.grad`` was changed in place.
         """
         slot = self._slots.get(id(param))
         grad = param.grad
-        if (
-            slot is None
-            or grad is None
-            or not slot.owns(grad)
-            or grad._version != slot.grad_version
-        ):
-            return None
-        return slot.amax
+        if slot is None or not slot.owns(grad):
+            return None, 0, False
+        assert grad is not None
+        return slot.stats, slot.row, grad._version == slot.grad_version
+
+    def scale_of(self, param: Tensor) -> Tensor | None:
+        """The storage scale of ``param.grad`` (``None`` where it holds true values)."""
+        stats, row, _ = self.stats_of(param)
+        return None if stats is None else stats[row, 0]
 
     def true_grad(self, param: Tensor) -> Tensor | None:
         """The true gradient of ``param`` as a new float32 tensor (``None`` where it has none)."""
+        self.flush()
         grad = param.grad
         if grad is None:
             return None
@@ -250,6 +476,7 @@ class GradientStorage:
 
     def release(self) -> None:
         """Remove every hook; managed parameters get their true fp32 gradient back."""
+        self.flush()
         for slot in self._slots.values():
             for handle in slot.handles:
                 handle.remove()
@@ -260,3 +487,4 @@ class GradientStorage:
             if _managed.get(param) is self:
                 del _managed[param]
         self._slots.clear()
+        self._staging.clear()

@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.adam import adam
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import adam_each, adam_step_coefficients, optional, scalars
+from ._fused import adam_kernel, adam_step_coefficients, optional, scalars
 
 __all__ = ["Adam"]
 
@@ -21,7 +21,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_each = staticmethod(adam_each)
+    _fused_kernel = staticmethod(adam_kernel)
     _fused_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
@@ -53,7 +53,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            foreach=group["foreach"],
+            foreach=self._foreach(group),
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
 
@@ -68,16 +68,6 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             abs(1 - beta1) < 0.5,
         ]
 
-    def _fused_coefficients(
-        self, group: dict[str, Any], steps: list[Tensor | None]
-    ) -> list[tuple[Tensor, ...]]:
+    def _fused_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
         beta1, beta2 = group["betas"]
-        if all(step is not None and step.device.type == "cpu" for step in steps):
-            # Usually every parameter is at the same step: compute once per distinct count.
-            counts = [step.item() for step in steps]
-            by_count: dict[float, tuple[Tensor, Tensor]] = {}
-            for count, step in zip(counts, steps, strict=True):
-                if count not in by_count:
-                    by_count[count] = adam_step_coefficients(group["lr"], beta1, beta2, step)
-            return [by_count[count] for count in counts]
-        return [adam_step_coefficients(group["lr"], beta1, beta2, step) for step in steps]
+        return list(adam_step_coefficients(group["lr"], beta1, beta2, steps))

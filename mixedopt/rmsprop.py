@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.rmsprop import rmsprop
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import optional, rmsprop_each, scalars
+from ._fused import optional, rmsprop_kernel, scalars
 
 __all__ = ["RMSprop"]
 
@@ -22,7 +22,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_each = staticmethod(rmsprop_each)
+    _fused_kernel = staticmethod(rmsprop_kernel)
     _fused_state_order = ("square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(self, params: Any, *args: Any, fused: bool | None = None, **kwargs: Any) -> None:
@@ -63,7 +63,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
             centered=group["centered"],
-            foreach=group["foreach"],
+            foreach=self._foreach(group),
             maximize=group["maximize"],
         )
 

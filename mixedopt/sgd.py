@@ -9,7 +9,7 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 from ._core import MixedPrecisionOptimizer
-from ._fused import optional, scalars, sgd_each
+from ._fused import optional, scalars, sgd_kernel
 
 __all__ = ["SGD"]
 
@@ -21,7 +21,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_each = staticmethod(sgd_each)
+    _fused_kernel = staticmethod(sgd_kernel)
     _fused_state_order = ("momentum_buffer",)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
@@ -48,7 +48,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            foreach=group["foreach"],
+            foreach=self._foreach(group),
         )
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
-import mixedopt._core
+import mixedopt._packing
 
 OPTIMIZERS = {
     "RMSprop": (mixedopt.RMSprop, torch.optim.RMSprop),
@@ -114,13 +114,13 @@ def scenarios(draw):
 
 @contextlib.contextmanager
 def slice_elements(n):
-    """Make step() cut the gradients into slices of ``n`` elements."""
-    saved = mixedopt._core.SLICE_ELEMENTS
-    mixedopt._core.SLICE_ELEMENTS = n
+    """Make step() cut the gradients into slices of ``n`` elements (on the CPU)."""
+    saved = mixedopt._packing.CPU_CAPACITY
+    mixedopt._packing.CPU_CAPACITY = n
     try:
         yield
     finally:
-        mixedopt._core.SLICE_ELEMENTS = saved
+        mixedopt._packing.CPU_CAPACITY = saved
 
 
 class Twins:

@@ -97,8 +97,8 @@ def test_one_compilation_serves_parameters_of_every_rank_and_size():
     assert graphs_compiled() >= 1
 
 
-# Chunks of CHUNK parameters per compiled call, leftovers one at a time, and the parameters that
-# are never chunked: empty, single-element (and, in the test, one in column-major layout).
+# Parameters of many shapes and sizes: empty, single-element and (in the test) one in
+# column-major layout among them.
 MANY_SHAPES = [(7,), (3, 5), (64,), (2, 3, 4), (0,), (), (1,), (33,), (8, 8), (5,), (16,)] + [
     (n,) for n in range(2, 12)
 ]
@@ -110,12 +110,18 @@ OPTIONS = {
 }
 
 
+@pytest.fixture
+def small_packs(monkeypatch):
+    """Packs of at most 256 elements, and parameters of more than 20 elements updated alone."""
+    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 256)
+    monkeypatch.setattr(mixedopt._packing, "CPU_SMALL", 20)
+
+
 @pytest.mark.parametrize("options", ["defaults", "options"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_fused_chunks_of_many_parameters_match_the_default_path(name, options):
+def test_fused_packs_and_single_parameters_match_the_default_path(name, options, small_packs):
     kwargs = dict(lr=0.01, **(OPTIONS[name] if options == "options" else {}))
     twins = Twins(name, kwargs, MANY_SHAPES, seed=1, reference=unfused(name), fused=True)
-    assert len(twins.params) > 2 * mixedopt._fused.CHUNK
     for p in (twins.params[1], twins.ref_params[1]):
         p.data = p.data.t().contiguous().t()  # same values, column-major
     assert not twins.params[1].is_contiguous()
@@ -125,6 +131,64 @@ def test_fused_chunks_of_many_parameters_match_the_default_path(name, options):
         twins.ref.step()
         twins.assert_equal(scale_ulps=8)
         twins.zero_grad()
+
+
+def compiled_calls(opt, monkeypatch):
+    """Count the compiled calls of the optimizer's fused steps from now on."""
+    calls = []
+    run = mixedopt._fused.run
+
+    def counting(kernel, arguments):
+        calls.append(arguments[0].shape)
+        return run(kernel, arguments)
+
+    monkeypatch.setattr(mixedopt._fused_step._fused, "run", counting)
+    return calls
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_group_of_small_parameters_is_updated_in_one_compiled_call(name, monkeypatch):
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(32)])  # 64 parameters
+    opt = OPTIMIZERS[name][0](model.parameters(), lr=0.01, fused=True)
+    x = torch.randn(4, 16)
+    for step in range(3):
+        if step == 2:
+            calls = compiled_calls(opt, monkeypatch)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(calls) == 1
+    assert len(calls[0]) == 2  # one pack: rows x ROW
+
+
+def test_compiled_calls_of_a_group_are_bounded_by_its_bytes(monkeypatch, small_packs):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in [10] * 40 + [100, 300]]
+    opt = mixedopt.Adam(params, fused=True)
+    for step in range(3):
+        if step == 2:
+            calls = compiled_calls(opt, monkeypatch)
+        for p in params:
+            (p * torch.randn(p.shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    # 40 parameters of one row each in packs of 256 // 64 = 4 rows, and 2 parameters alone.
+    assert len(calls) == 10 + 2
+
+
+def test_the_number_of_compiled_graphs_does_not_grow_with_the_number_of_parameters():
+    torch._dynamo.reset()
+    counts = []
+    for layers in (2, 40):
+        model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
+        opt = mixedopt.AdamW(model.parameters(), fused=True)
+        before = graphs_compiled()
+        for _ in range(3):
+            model(torch.randn(2, 8)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        counts.append(graphs_compiled() - before)
+    assert counts[1] == 0  # the layout compiled for 4 parameters serves 80
 
 
 @pytest.mark.parametrize(
@@ -148,10 +212,10 @@ def test_fused_running_averages_with_weights_of_a_half_or_more_match_the_default
         twins.zero_grad()
 
 
-def test_chunks_with_other_size_patterns_do_not_recompile():
+def test_packs_of_other_size_patterns_do_not_recompile(small_packs):
     torch.manual_seed(0)
-    # Equal sizes in one chunk, distinct sizes in the next, then one left over.
-    params = [nn.Parameter(torch.randn(n)) for n in [10] * 8 + list(range(20, 28)) + [40]]
+    # A pack of equal sizes, a pack of distinct sizes, and two parameters alone.
+    params = [nn.Parameter(torch.randn(n)) for n in [10] * 4 + list(range(11, 15)) + [40, 50]]
     opt = mixedopt.Adam(params, fused=True)
     for step in range(4):
         if step == 2:
@@ -195,7 +259,8 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
             state = copy.deepcopy(twins.opt.state_dict()["state"])
         group = twins.opt.param_groups[0]
         entries = twins.opt._collect(group)
-        twins.opt._fused_step_group(group, entries, torch.ones(()), torch.tensor(skip))
+        factors, _ = twins.opt._factors_and_skip(entries, None, None)
+        twins.opt._fused_step_group(group, entries, factors, torch.tensor(skip))
         if skip:
             for p, before in zip(twins.params, weights, strict=True):
                 assert torch.equal(p.detach(), before)
@@ -230,36 +295,26 @@ def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(mo
             ref.zero_grad()
     messages = [str(w.message) for w in caught if "parameter layouts" in str(w.message)]
     assert messages == [
-        "mixedopt: fused=True has compiled sgd_each for 1 parameter layouts; parameters of other "
+        "mixedopt: fused=True has compiled sgd_kernel for 1 parameter layouts; parameters of other "
         "layouts are updated uncompiled"
     ]
     for p, q in zip(params, reference, strict=True):
         torch.testing.assert_close(p, q)
 
 
-@pytest.mark.parametrize("count", [0.0, 1.0, 9.0, 9999.0])
-def test_adam_step_coefficients_read_on_the_host_equal_those_kept_on_the_device(count):
-    """A tensor learning rate takes the path of a step counter on an accelerator."""
-    step = torch.tensor(count)
-    host = mixedopt._fused.adam_step_coefficients(0.001, 0.9, 0.999, step)
-    device = mixedopt._fused.adam_step_coefficients(torch.tensor(0.001), 0.9, 0.999, step)
-    assert all(t.dtype == torch.float32 and t.dim() == 0 for t in (*host, *device))
-    step_size = 0.001 / (1 - 0.9 ** (count + 1))
-    inverse = (1 - 0.999 ** (count + 1)) ** -0.5
+def test_adam_step_coefficients_read_on_the_host_equal_those_kept_on_the_device():
+    """A tensor learning rate takes the path of step counters on an accelerator."""
+    counts = [0.0, 1.0, 9.0, 9999.0, 1.0]
+    steps = torch.tensor(counts)
+    host = mixedopt._fused.adam_step_coefficients(0.001, 0.9, 0.999, steps)
+    device = mixedopt._fused.adam_step_coefficients(torch.tensor(0.001), 0.9, 0.999, steps)
+    assert all(t.dtype == torch.float32 and t.shape == (5,) for t in (*host, *device))
+    step_size = [0.001 / (1 - 0.9 ** (n + 1)) for n in counts]
+    inverse = [(1 - 0.999 ** (n + 1)) ** -0.5 for n in counts]
     for value, exact in zip(host, (step_size, inverse), strict=True):
-        assert value.item() == torch.tensor(exact, dtype=torch.float32).item()
+        assert torch.equal(value, torch.tensor(exact, dtype=torch.float64).float())
     for value, exact in zip(device, (step_size, inverse), strict=True):
         torch.testing.assert_close(value, torch.tensor(exact, dtype=torch.float32))
-
-
-def test_chunks_group_dense_parameters_and_leave_the_others_alone():
-    flat = [(torch.zeros(n),) for n in (2, 3, 4, 5, 6, 7, 8, 9, 10)]
-    others = [(torch.zeros(()),), (torch.zeros(1),), (torch.zeros(2, 2),)]
-    per_param = flat[:4] + others + flat[4:]
-    chunks = list(mixedopt._fused.chunks(per_param))
-    assert chunks[0] == [0, 1, 2, 3, 7, 8, 9, 10]
-    assert sorted(i for chunk in chunks[1:] for i in chunk) == [4, 5, 6, 11]
-    assert all(len(chunk) == 1 for chunk in chunks[1:])
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

@@ -1,0 +1,168 @@
+"""The default update path: torch's functional update on float32 gradients, in bounded batches.
+
+``step()`` never makes a float32 copy of all gradients, and a group costs a fixed number of
+operations beyond torch's own update, whatever the number of its parameters. Parameters are
+taken whole in batches of at most ``capacity`` elements (``_packing.budget``), and a parameter
+larger than that is cut into 1-D pieces (weights, gradient and state alike) when all of them are
+dense in one layout. A batch's gradients are upcast into a float32 buffer with one
+``_foreach_copy_`` and unscaled with one multiplication (each gradient's factor, per row of the
+buffer), and the batch goes to torch's ``rmsprop()``, ``adam()`` or ``sgd()`` as lists, whole
+parameters as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._distributed import local
+from ._packing import (
+    Entry,
+    Workspace,
+    budget,
+    dense_order,
+    flat_view,
+)
+
+# The parent's functional update: (params, grads, states by key, step counters).
+Update = Callable[[list[Tensor], list[Tensor], dict[str, list[Any]], list[Tensor]], None]
+
+
+class Batch:
+    """What one call of the functional update takes, as parallel lists.
+
+    Its gradients are those of the entries from ``first`` on, one each, in order: a batch holds
+    at most one piece of a parameter.
+    """
+
+    __slots__ = ("first", "params", "grads", "states", "steps", "created", "whole")
+
+    def __init__(self, first: int, keys: int) -> None:
+        self.first = first
+        self.params: list[Tensor] = []
+        self.grads: list[Tensor] = []  # float16/bfloat16 (scaled) or float32, shaped as params
+        self.states: list[list[Tensor | None]] = [[] for _ in range(keys)]  # None: created
+        self.steps: list[Tensor] = []
+        # (state key index, position, destination) of each state the functional creates.
+        self.created: list[tuple[int, int, Tensor]] = []
+        self.whole: list[bool] = []  # a whole parameter (not a piece of one)
+
+    def add(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        states: Sequence[Tensor | None],
+        created: dict[int, Tensor],
+        step: Tensor | None,
+        whole: bool,
+    ) -> None:
+        position = len(self.params)
+        self.params.append(param)
+        self.grads.append(grad)
+        for j, value in enumerate(states):
+            self.states[j].append(value)
+        for j, destination in created.items():
+            self.created.append((j, position, destination))
+        if step is not None:
+            self.steps.append(step)
+        self.whole.append(whole)
+
+    def copy_created(self) -> None:
+        """Copy the state the functional created into its place."""
+        for j, position, destination in self.created:
+            destination.copy_(self.states[j][position])  # type: ignore[arg-type]
+
+
+def _pieces(
+    entry: Entry, keys: Sequence[str], capacity: int
+) -> Iterator[tuple[Tensor, Tensor, list[Tensor | None], dict[int, Tensor], Tensor | None, bool]]:
+    """A large or sharded parameter, whole (its rank's shard) or in 1-D pieces.
+
+    Pieces have at most ``capacity`` elements; a parameter is cut when weights, gradient and
+    state are dense in one layout.
+    """
+    param, grad = local(entry.param), local(entry.grad)
+    states = [local(entry.state.get(key)) for key in keys]
+    created = {j: local(entry.created[key]) for j, key in enumerate(keys) if key in entry.created}
+    step = entry.state.get("step")
+    order = dense_order(param) if param.numel() > capacity else None
+    targets = [created.get(j, s) for j, s in enumerate(states)]
+    flats = [] if order is None else [flat_view(t, order) for t in (param, *targets)]
+    if order is None or any(f is None for f in flats):
+        yield param, grad, states, created, step, True
+        return
+    flat_param, *flat_states = flats
+    flat_grad = grad.permute(order).reshape(-1)  # a view in the param's layout, else a copy
+    numel = param.numel()
+    for start in range(0, numel, capacity):
+        stop = min(start + capacity, numel)
+        pieces = [s[start:stop] for s in flat_states]  # type: ignore[index]
+        yield (
+            flat_param[start:stop],  # type: ignore[index]
+            flat_grad[start:stop],
+            [None if j in created else piece for j, piece in enumerate(pieces)],
+            {j: pieces[j] for j in created},
+            # The counter advances once per parameter: earlier pieces advance a copy.
+            step if step is None or stop == numel else step.clone(),
+            False,
+        )
+
+
+def batches(entries: Sequence[Entry], keys: Sequence[str], capacity: int) -> Iterator[Batch]:
+    """The parameters of ``entries``, in order, in batches of at most ``capacity`` elements.
+
+    A batch holds more only when it is one parameter that cannot be cut.
+    """
+    count = len(keys)
+    batch = Batch(0, count)
+    filled = 0
+    for index, e in enumerate(entries):
+        numel = e.param.numel()
+        if numel <= capacity and not e.sharded:
+            # The common case, kept to plain list appends: it runs once per parameter.
+            if batch.params and filled + numel > capacity:
+                yield batch
+                batch, filled = Batch(index, count), 0
+            state = e.state
+            values = [state.get(key) for key in keys]
+            created = {}
+            if e.created:
+                created = {j: e.created[k] for j, k in enumerate(keys) if values[j] is None}
+            batch.add(e.param, e.grad, values, created, state.get("step"), True)
+            filled += numel
+            continue
+        for param, grad, states, created, step, whole in _pieces(e, keys, capacity):
+            size = param.numel()
+            if batch.params and filled + size > capacity:
+                yield batch
+                batch, filled = Batch(index, count), 0
+            batch.add(param, grad, states, created, step, whole)
+            filled += size
+    if batch.params:
+        yield batch
+
+
+def _upcast(workspace: Workspace, batch: Batch, factors: Tensor) -> list[Tensor]:
+    """Float32 ``grad * factor`` for each gradient of ``batch`` (``factors`` one each)."""
+    layout = workspace.layout([p.numel() for p in batch.params], factors.device)
+    rows, views = workspace.rows("grad", torch.float32, layout, batch.params)
+    torch._foreach_copy_(views, batch.grads)
+    rows.mul_(layout.per_row(factors))  # unscale in float32, one factor per gradient
+    return views
+
+
+def default_update(
+    update: Update,
+    keys: Sequence[str],
+    entries: list[Entry],
+    factors: Tensor,
+    workspace: Workspace,
+) -> None:
+    """Update ``entries`` (all on one device; ``factors`` one each) on the default path."""
+    for batch in batches(entries, keys, budget(factors.device).capacity):
+        grads = _upcast(workspace, batch, factors[batch.first : batch.first + len(batch.params)])
+        update(batch.params, grads, dict(zip(keys, batch.states, strict=True)), batch.steps)
+        batch.copy_created()

@@ -1,0 +1,288 @@
+"""Many small tensors worked on as one: a flat buffer of rows, each tensor starting on a row.
+
+On a GPU every operation costs a launch, and on a CPU a few microseconds of dispatch, whatever
+the size of the tensor it works on. mixedopt's work per tensor (find the largest magnitude,
+scale, upcast) is tiny for a small tensor, so small tensors are copied into one flat buffer and
+worked on there with a handful of operations for all of them.
+
+The buffer is viewed as ``rows x ROW`` and every tensor starts on a row of its own (its last row
+padded), so that a value per tensor (a scale) becomes a value per row with one indexing
+operation and applies with one broadcast multiplication, and a maximum per row reduces to a
+maximum per tensor with one ``scatter_reduce``.
+
+How much is packed, per device, is set here too (``budget``): a buffer holds at most
+``capacity`` elements (which bounds the memory it costs), and only tensors up to a size are
+packed. On a CPU a tensor of more than 32Ki elements costs less on its own (its bytes outweigh a
+few dispatches); on an accelerator launches dominate up to millions of elements.
+
+For ``step()``: ``Entry`` is a parameter with a gradient as ``step()`` sees it, ``packs`` groups
+entries (``fused=True``), and ``Workspace`` keeps, between steps, the buffers both update paths
+copy into, with their views.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+# Elements per row: small enough that padding costs little (a bias of 64 elements fills one),
+# large enough that per-row work is a small fraction of per-element work.
+ROW = 64
+
+# Elements of float32 in one buffer: 1 Mi elements = 4 MiB on a CPU (it stays in cache while it is
+# read back), 4 Mi = 16 MiB on an accelerator (fewer launches).
+CPU_CAPACITY = 1 << 20
+ACCELERATOR_CAPACITY = 1 << 22
+# The largest tensor packed with others on a CPU (by backward's buckets and by fused=True).
+CPU_SMALL = 1 << 15
+# On an accelerator: the largest parameter fused=True packs (a compiled call costs tens of
+# microseconds of Python, a copy of 1 Mi elements a few microseconds).
+ACCELERATOR_FUSED_SMALL = 1 << 20
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much is packed on a device.
+
+    ``capacity``: elements in one bucket, slice or pack (the memory a buffer costs).
+    ``bucket_small``: the largest gradient backward stores in a bucket with others.
+    ``fused_small``: the largest parameter ``fused=True`` packs with others (weights, gradient
+    and state copied in and out around one compiled call).
+    """
+
+    capacity: int
+    bucket_small: int
+    fused_small: int
+
+
+def budget(device: torch.device) -> Budget:
+    """The packing budget of ``device`` (read at call time, so that tests can change it)."""
+    if device.type == "cpu":
+        small = min(CPU_SMALL, CPU_CAPACITY)
+        return Budget(CPU_CAPACITY, small, small)
+    # Launches dominate: backward buckets whatever fits.
+    capacity = ACCELERATOR_CAPACITY
+    return Budget(capacity, capacity, min(ACCELERATOR_FUSED_SMALL, capacity))
+
+
+def rows_for(numel: int) -> int:
+    """Rows a tensor of ``numel`` elements takes (a tensor of none takes none)."""
+    return -(-numel // ROW)
+
+
+class RowLayout:
+    """Where tensors of the given sizes sit in a buffer of rows, and which tensor each row is."""
+
+    def __init__(self, numels: Sequence[int], device: torch.device) -> None:
+        self.numels = tuple(numels)
+        rows = [rows_for(n) for n in self.numels]
+        self.offsets: list[int] = []  # in elements
+        total = 0
+        for count in rows:
+            self.offsets.append(total * ROW)
+            total += count
+        self.rows = total
+        owners = [i for i, count in enumerate(rows) for _ in range(count)]
+        # The tensor of each row, as a column; and the rows of each tensor.
+        self.owner = torch.tensor(owners, dtype=torch.int64).reshape(-1, 1).to(device)
+        self.counts = torch.tensor(rows, dtype=torch.int64).to(device)
+
+    @property
+    def elements(self) -> int:
+        return self.rows * ROW
+
+    def per_row(self, values: Tensor) -> Tensor:
+        """``values`` (one per tensor) as a ``(rows, 1)`` column: the value of each row's tensor."""
+        return torch.take(values, self.owner)
+
+    def per_tensor_max(self, row_values: Tensor) -> Tensor:
+        """The largest of each tensor's rows (0 for a tensor without rows); NaN propagates."""
+        return torch.segment_reduce(row_values, "max", lengths=self.counts, unsafe=True, initial=0)
+
+
+class LayoutCache:
+    """The layouts of the last few size patterns: a training loop repeats the same few."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._size = size
+        self._layouts: dict[tuple[tuple[int, ...], torch.device], RowLayout] = {}
+
+    def get(self, numels: Sequence[int], device: torch.device) -> RowLayout:
+        key = (tuple(numels), device)
+        layout = self._layouts.pop(key, None)
+        if layout is None:
+            layout = RowLayout(key[0], device)
+            if len(self._layouts) >= self._size:
+                del self._layouts[next(iter(self._layouts))]  # the least recently used
+        self._layouts[key] = layout
+        return layout
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def dense_strides(t: Tensor) -> tuple[int, ...]:
+    """The layout a copy of ``t`` should take: its own where dense, else row-major.
+
+    Dense: its elements fill ``numel`` consecutive places, in any dimension order
+    (channels_last, say). Pure Python on sizes and strides: no operation is dispatched.
+    """
+    expected = 1
+    for size, stride in sorted(zip(t.shape, t.stride(), strict=True), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return contiguous_strides(t.shape)
+        expected *= size
+    return tuple(t.stride())
+
+
+def dense_order(t: Tensor) -> tuple[int, ...] | None:
+    """Dimension order (outermost first) in which ``t`` is contiguous; None if not dense."""
+    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return order if t.permute(order).is_contiguous() else None
+
+
+def flat_view(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
+    """A 1-D view of ``t`` in storage order, or None when ``t`` is not dense in ``order``."""
+    permuted = t.permute(order)
+    return permuted.view(-1) if permuted.is_contiguous() else None
+
+
+def view_in(buffer: Tensor, offset: int, like: Tensor, strides: tuple[int, ...]) -> Tensor:
+    """A view of ``buffer`` at ``offset`` with the shape of ``like`` and the given strides."""
+    return buffer.as_strided(like.shape, strides, buffer.storage_offset() + offset)
+
+
+class Entry:
+    """A parameter with a gradient, as ``step()`` sees it (one is made per parameter per step)."""
+
+    __slots__ = ("param", "grad", "stats", "row", "amax_current", "sharded", "state", "created")
+
+    def __init__(
+        self,
+        param: Tensor,
+        grad: Tensor,
+        stats: Tensor | None,
+        row: int,
+        amax_current: bool,
+        sharded: bool,
+    ) -> None:
+        self.param = param
+        self.grad = grad  # p.grad: float16/bfloat16 (scaled) or float32
+        # Row ``row`` of ``stats``: [storage scale, |true gradient| bound]
+        # (GradientStorage.stats_of); None: grad holds true values.
+        self.stats, self.row = stats, row
+        self.amax_current = amax_current  # whether that bound describes grad as it is now
+        self.sharded = sharded  # a DTensor (FSDP2): updated through its rank's shard
+        self.state: dict[str, Any] = {}  # the optimizer's state for param
+        # State the functional creates on the first step (SGD's momentum buffer): where it goes.
+        self.created: dict[str, Tensor] = {}
+
+
+def packs(
+    entries: Sequence[Entry], small: int, capacity: int, kind: Callable[[int], Hashable]
+) -> tuple[list[list[int]], list[int]]:
+    """Indices of the entries to pack, in packs, and of the others.
+
+    An entry is packed when its parameter has at most ``small`` elements and is not sharded.
+    Entries of one ``kind(index)`` go together, in order, in packs of at most ``capacity``
+    elements (whole rows).
+    """
+    runs: dict[Hashable, list[list[int]]] = {}
+    filled: dict[Hashable, int] = {}
+    others = []
+    for i, e in enumerate(entries):
+        numel = e.param.numel()
+        if numel > small or e.sharded:
+            others.append(i)
+            continue
+        k = kind(i)
+        elements = rows_for(numel) * ROW
+        if k not in runs or filled[k] + elements > capacity:
+            runs.setdefault(k, []).append([])
+            filled[k] = 0
+        runs[k][-1].append(i)
+        filled[k] += elements
+    return [pack for found in runs.values() for pack in found], others
+
+
+class Workspace:
+    """Buffers kept between steps, per device and role, and views of them.
+
+    A pack copies its parameters' weights, gradients and state into a buffer per role (each at
+    most ``capacity`` elements, zero at first, so that padding holds only numbers the update
+    keeps finite). The views of a buffer in each parameter's layout are made once and kept: a
+    training loop packs the same parameters every step.
+    """
+
+    _MAX_VIEWS = 4096
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.device, str, torch.dtype], Tensor] = {}
+        self._views: dict[tuple[Any, ...], Tensor] = {}
+        self._layouts = LayoutCache()
+        self._indices: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
+        # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
+        self.aliases: dict[int, tuple[tuple[Any, ...], list[Tensor]]] = {}
+
+    def clear(self) -> None:
+        """Forget every buffer, view and alias (the state was replaced: ``load_state_dict``)."""
+        self._buffers.clear()
+        self._views.clear()
+        self.aliases.clear()
+
+    def layout(self, numels: Sequence[int], device: torch.device) -> RowLayout:
+        return self._layouts.get(numels, device)
+
+    def index(self, positions: Sequence[int], device: torch.device) -> Tensor:
+        """``positions`` as an index tensor on ``device`` (kept: packs repeat every step)."""
+        key = (device, tuple(positions))
+        found = self._indices.get(key)
+        if found is None:
+            if len(self._indices) >= 64:
+                self._indices.clear()
+            found = self._indices[key] = torch.tensor(key[1], device=device)
+        return found
+
+    def buffer(self, role: str, dtype: torch.dtype, device: torch.device, elements: int) -> Tensor:
+        """The flat buffer of ``role``, at least ``elements`` long."""
+        key = (device, role, dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < elements:
+            buffer = self._buffers[key] = torch.zeros(elements, dtype=dtype, device=device)
+            self._views = {k: v for k, v in self._views.items() if k[0] != key}
+        return buffer
+
+    def rows(
+        self, role: str, dtype: torch.dtype, layout: RowLayout, params: Sequence[Tensor]
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The ``(rows, ROW)`` buffer of ``role`` for ``layout``, and views of it for ``params``.
+
+        Each view is at its parameter's offset and in its layout: every role of a pack puts an
+        element of a parameter at the same place.
+        """
+        device = params[0].device
+        buffer = self.buffer(role, dtype, device, layout.elements)
+        buffer_key = (device, role, dtype)
+        views = []
+        cached = self._views
+        for p, offset in zip(params, layout.offsets, strict=True):
+            key = (buffer_key, offset, p.shape, p.stride())
+            view = cached.get(key)
+            if view is None:
+                if len(cached) >= self._MAX_VIEWS:
+                    cached.clear()
+                view = cached[key] = view_in(buffer, offset, p, dense_strides(p))
+            views.append(view)
+        return buffer[: layout.elements].view(layout.rows, ROW), views
