@@ -397,46 +397,93 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _fused_step_group(
         self, group: dict[str, Any], entries: list[Entry], factors: Tensor, skip: Tensor | None
     ) -> None:
-        """Update ``entries`` with the compiled kernels (``_fused_step.py``).
+        """Update ``entries`` with fused updates that read no host value.
 
-        ``skip`` is None on the CPU (the caller does not step when a gradient is inf/NaN).
+        Parameters of up to ``_packing.budget(device).fused_small`` elements go to torch's own
+        fused update, on float32 gradients upcast in bounded batches as on the default path
+        (Adam, AdamW, SGD); without one (RMSprop) they are packed for the compiled kernels. Larger
+        parameters are updated by the compiled kernels (``_fused_step.py``), which read the
+        16-bit gradients directly. ``skip`` is None on the CPU (the caller does not step when a
+        gradient is inf/NaN); on an accelerator both keep the old values where it is set.
         """
         keys = self._state_keys(group)
-        # maximize: the kernels get the negated gradient, as torch's update negates it.
-        if group["maximize"]:
-            factors = -factors
-        hyperparameters = self._fused_hyperparameters(group)
         for device, (device_entries, device_factors) in _by_device(entries, factors).items():
-            steps = []
+            device_skip = None if skip is None else skip.to(device)
             for e in device_entries:
                 e.state = self.state[e.param]
-                step = e.state.get("step")
-                if step is not None:
-                    if step.device != device:  # from a non-fused checkpoint
-                        step = e.state["step"] = step.to(device)
-                    steps.append(step)
-            coefficients = self._fused_coefficients(group, torch.stack(steps)) if steps else []
-            device_skip = None if skip is None else skip.to(device)
-            left = fused_update(
-                self._fused_kernel,
-                keys,
-                self._fused_state_order,
-                device_entries,
-                device_factors,
-                coefficients,
-                (device_skip, *hyperparameters),
-                self._workspace,
-            )
-            done = set(range(len(device_entries))) - set(left)
-            advanced = [steps[i] for i in sorted(done)] if steps else []
-            if advanced:
-                torch._foreach_add_(advanced, 1 if device_skip is None else (~device_skip).float())
-            if left and device_skip is None:  # no compiler: the rest takes the default path
-                rest = torch.tensor(left, device=device_factors.device)
-                sign = -1 if group["maximize"] else 1
-                self._step_group(
-                    group, [device_entries[i] for i in left], sign * device_factors[rest]
-                )
+            if self._torch_fused:
+                small = _packing.budget(device).fused_small
+                taken = [i for i, e in enumerate(device_entries) if e.param.numel() <= small]
+                if taken:
+                    self._torch_fused_update(
+                        group, device_entries, device_factors, taken, device_skip
+                    )
+                    kept = sorted(set(range(len(device_entries))) - set(taken))
+                    device_entries = [device_entries[i] for i in kept]
+                    device_factors = device_factors[self._workspace.index(kept, device)]
+            if device_entries:
+                self._compiled_update(group, keys, device_entries, device_factors, device_skip)
+
+    def _torch_fused_update(
+        self,
+        group: dict[str, Any],
+        entries: list[Entry],
+        factors: Tensor,
+        taken: list[int],
+        skip: Tensor | None,
+    ) -> None:
+        """Torch's fused update of ``entries[i] for i in taken``.
+
+        On an accelerator ``skip`` goes to it as ``found_inf``: nothing changes where it is set.
+        """
+        device = factors.device
+        chosen = [entries[i] for i in taken]
+        if len(chosen) != len(entries):
+            factors = factors[self._workspace.index(taken, device)]
+        found_inf = None if skip is None else skip.float()
+
+        def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
+            self._update(group, params, grads, states, steps, found_inf=found_inf)
+
+        default_update(update, self._state_keys(group), chosen, factors, self._workspace)
+
+    def _compiled_update(
+        self,
+        group: dict[str, Any],
+        keys: list[str],
+        entries: list[Entry],
+        factors: Tensor,
+        skip: Tensor | None,
+    ) -> None:
+        """Update ``entries`` (on one device) with the compiled kernels (``_fused_step.py``)."""
+        device = factors.device
+        # maximize: the kernels get the negated gradient, as torch's update negates it.
+        signed = -factors if group["maximize"] else factors
+        steps = []
+        for e in entries:
+            step = e.state.get("step")
+            if step is not None:
+                if step.device != device:  # from a non-fused checkpoint
+                    step = e.state["step"] = step.to(device)
+                steps.append(step)
+        coefficients = self._fused_coefficients(group, torch.stack(steps)) if steps else []
+        left = fused_update(
+            self._fused_kernel,
+            keys,
+            self._fused_state_order,
+            entries,
+            signed,
+            coefficients,
+            (skip, *self._fused_hyperparameters(group)),
+            self._workspace,
+        )
+        done = set(range(len(entries))) - set(left)
+        advanced = [steps[i] for i in sorted(done)] if steps else []
+        if advanced:
+            torch._foreach_add_(advanced, 1 if skip is None else (~skip).float())
+        if left and skip is None:  # no compiler: the rest takes the default path
+            rest = factors[self._workspace.index(left, device)]
+            self._step_group(group, [entries[i] for i in left], rest)
 
     # ------------------------------------------------------------------ per optimizer
 
@@ -444,6 +491,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # order, and the arguments the group shares.
     _fused_kernel: Callable[..., None]
     _fused_state_order: tuple[str, ...] = ()
+    # Whether the parent's functional update has a fused implementation (``fused=True``).
+    _torch_fused = False
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         raise NotImplementedError
@@ -479,6 +528,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         grads: list[Tensor],
         states: dict[str, list[Tensor | None]],
         steps: list[Tensor],
+        found_inf: Tensor | None = None,
     ) -> None:
-        """Apply the parent's functional update to float32 ``grads`` (slices of the parameters)."""
+        """Apply the parent's functional update to float32 ``grads`` (slices of the parameters).
+
+        Its fused implementation for a ``fused=True`` group, where the parent has one; with
+        ``found_inf`` (a 0-dim float tensor), a fused update that changes nothing where it is
+        set.
+        """
         raise NotImplementedError

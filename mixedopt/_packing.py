@@ -252,7 +252,7 @@ class Workspace:
         if found is None:
             if len(self._indices) >= 64:
                 self._indices.clear()
-            found = self._indices[key] = torch.tensor(key[1], device=device)
+            found = self._indices[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
         return found
 
     def buffer(self, role: str, dtype: torch.dtype, device: torch.device, elements: int) -> Tensor:

@@ -12,7 +12,10 @@ How it gets there (PyTorch >= 2.10)
     * A pre-hook on the parameter's ``AccumulateGrad`` node receives each float32 gradient before
       autograd stores it, takes it, and hands autograd no gradient, so that autograd stores
       nothing. A node hook, not a tensor hook: tensor hooks also run for
-      ``torch.autograd.grad`` and would take its result.
+      ``torch.autograd.grad`` and would take its result. Until it is stored, ``p.grad`` is that
+      float32 gradient (true values): code that reads it during backward, or after a backward
+      that raised, sees what torch.optim would; one changed in the meantime (``zero_grad()``)
+      is not stored.
     * A gradient of up to ``_packing.budget(device).bucket_small`` elements waits in a bucket, as
       DistributedDataParallel's reducer does: the hook only appends it. A bucket is stored when
       the next gradient would not fit (``capacity`` elements) and at the end of ``backward()``,
@@ -170,6 +173,29 @@ class _Bucket:
     def clear(self) -> None:
         self.slots, self.incoming, self.previous, self.elements = [], [], [], 0
 
+    def drop_changed(self) -> None:
+        """Forget the gradients whose ``p.grad`` changed since they arrived.
+
+        ``zero_grad()`` after a backward that raised, say: what it cleared is not stored.
+        """
+        kept = [
+            i
+            for i, (slot, incoming) in enumerate(zip(self.slots, self.incoming, strict=True))
+            if slot.param.grad is incoming
+        ]
+        if len(kept) == len(self.slots):
+            return
+        for slot in self.slots:
+            slot.pending = False
+        slots, incoming, previous = self.slots, self.incoming, self.previous
+        self.clear()
+        for i in kept:
+            self.slots.append(slots[i])
+            self.incoming.append(incoming[i])
+            self.previous.append(previous[i])
+            self.elements += -(-incoming[i].numel() // ROW) * ROW
+            slots[i].pending = True
+
 
 class GradientStorage:
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
@@ -270,6 +296,7 @@ class GradientStorage:
             elements = -(-incoming.numel() // ROW) * ROW  # whole rows
             if bucket.elements + elements > bucket.capacity:
                 self._store_bucket(bucket)
+            param.grad = incoming  # true values until stored, as torch.optim would have them
             bucket.slots.append(slot)
             bucket.incoming.append(incoming)
             bucket.previous.append(previous)
@@ -293,8 +320,9 @@ class GradientStorage:
         bucket = self._buckets.get(device)
         if bucket is None:
             bucket = self._buckets[device] = _Bucket(device)
-        if slot.pending:  # waits from a backward that ended early: stored first
+        if slot.pending:  # waits from a backward that raised: stored first
             self._store_bucket(bucket)
+            previous = slot.param.grad
         if incoming.numel() > bucket.small:
             self._store_alone(slot, incoming, previous)
             return (None,)
@@ -305,6 +333,7 @@ class GradientStorage:
         elements = -(-incoming.numel() // ROW) * ROW
         if bucket.elements + elements > bucket.capacity:
             self._store_bucket(bucket)
+        slot.param.grad = incoming
         bucket.slots.append(slot)
         bucket.incoming.append(incoming)
         bucket.previous.append(previous)
@@ -333,6 +362,9 @@ class GradientStorage:
     @torch.no_grad()
     def _store_bucket(self, bucket: _Bucket) -> None:
         """Store a bucket's gradients: a fixed number of operations for all of them."""
+        if not bucket.slots:
+            return
+        bucket.drop_changed()
         if not bucket.slots:
             return
         slots, device = bucket.slots, bucket.device

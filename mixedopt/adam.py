@@ -22,6 +22,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
     """
 
     _fused_kernel = staticmethod(adam_kernel)
+    _torch_fused = True
     _fused_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
@@ -37,6 +38,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
         grads: list[Tensor],
         states: dict[str, list[Any]],
         steps: list[Tensor],
+        found_inf: Tensor | None = None,
     ) -> None:
         beta1, beta2 = group["betas"]
         adam(
@@ -53,7 +55,9 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            foreach=self._foreach(group),
+            foreach=None if group["fused"] else self._foreach(group),
+            fused=group["fused"],
+            found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
 

@@ -88,6 +88,7 @@ import torch
 from torch import nn
 
 import mixedopt
+from mixedopt import bench_small
 
 # name on the command line -> (class name in torch.optim and mixedopt, constructor arguments)
 OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
@@ -719,6 +720,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip the training-iteration benchmark (4-layer MLP, AdamW)",
     )
     parser.add_argument(
+        "--no-small",
+        dest="small",
+        action="store_false",
+        help="skip the many-small-parameters regime (64 x Linear(64, 64): dispatched operations "
+        "per backward and per step, iteration times; see mixedopt.bench_small)",
+    )
+    parser.add_argument(
         "--mlp-width", type=_positive, default=1024, help="MLP width for the iteration (1024)"
     )
     parser.add_argument(
@@ -834,6 +842,13 @@ def _run(args: argparse.Namespace) -> int:
         )
         print()
         print(format_iteration(iteration))
+    small: dict[str, Any] = {}
+    if args.small:
+        text, small = bench_small.report(repeat=max(args.repeat, 20), device=args.device)
+        print()
+        print("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
+        print()
+        print(text)
     if args.json:
         document = {
             "machine": info,
@@ -849,6 +864,7 @@ def _run(args: argparse.Namespace) -> int:
             },
             "rows": [asdict(row) for row in rows],
             "iteration": iteration,
+            "small": small,
         }
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0

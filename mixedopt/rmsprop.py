@@ -49,6 +49,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
         grads: list[Tensor],
         states: dict[str, list[Any]],
         steps: list[Tensor],
+        found_inf: Tensor | None = None,
     ) -> None:
         rmsprop(
             params,

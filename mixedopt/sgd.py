@@ -22,6 +22,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
     """
 
     _fused_kernel = staticmethod(sgd_kernel)
+    _torch_fused = True
     _fused_state_order = ("momentum_buffer",)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
@@ -37,6 +38,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
         grads: list[Tensor],
         states: dict[str, list[Any]],
         steps: list[Tensor],
+        found_inf: Tensor | None = None,
     ) -> None:
         sgd(
             params,
@@ -48,7 +50,9 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            foreach=self._foreach(group),
+            foreach=None if group["fused"] else self._foreach(group),
+            fused=group["fused"],
+            found_inf=found_inf,
         )
 
     def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: the test suite (CUDA tests included) and the benchmark on a CUDA device, in
 # under 5 minutes. It uses the machine's own torch (>= 2.10) and runs the package from this
-# checkout. Results go to $OUT (or ./gpu-results): device.txt, pytest.txt, bench.txt,
+# checkout. The benchmark includes the many-small-parameters regime. Results go to $OUT (or ./gpu-results): device.txt, pytest.txt, bench.txt,
 # bench_gpu.json, demo.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +14,7 @@ python3 -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_
 # Tests first, the benchmark even if a test fails: both results are wanted.
 timeout 200 python3 -m pytest -q -p no:cacheprovider "${@:-tests}" 2>&1 | tail -40 | tee "$out/pytest.txt"
 tests=${PIPESTATUS[0]}
-timeout 150 python3 -m mixedopt.bench --device cuda --repeat 20 --json "$out/bench_gpu.json" \
+timeout 200 python3 -m mixedopt.bench --device cuda --repeat 20 --json "$out/bench_gpu.json" \
     2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}
 timeout 60 python3 -m mixedopt --device cuda 2>&1 | tee "$out/demo.txt"

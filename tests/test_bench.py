@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-from mixedopt import bench
+from mixedopt import bench, bench_small
 
 NUMEL = 1 << 16
 PARAMS = 3
@@ -29,7 +29,7 @@ PERSISTENT = {
 }
 
 SMALL = ["--numel", str(NUMEL), "--params", str(PARAMS), "--repeat", "2", "--warmup", "1"]
-SMALL += ["--stream-mib", "4", "--threads", "1", "--device", "cpu", "--no-iteration"]
+SMALL += ["--stream-mib", "4", "--threads", "1", "--device", "cpu", "--no-iteration", "--no-small"]
 
 
 def _run(tmp_path, *extra):
@@ -152,3 +152,18 @@ def test_training_iteration_benchmark_compares_three_optimizers():
     assert all(r["median_ms"] > 0 and len(r["ms"]) == 2 for r in results)
     table = bench.format_iteration(results)
     assert table.count("\n") == 1 + len(results)
+
+
+def test_many_small_parameters_regime_reports_operations_and_times():
+    text, figures = bench_small.report(repeat=2)
+    counts = figures["op_counts"]
+    assert set(counts) == {pair for pair in bench_small.PAIRS if "fused" not in pair}
+    for by_library in counts.values():
+        for found in by_library.values():
+            assert found["128 params"]["backward"] > found["16 params"]["backward"] > 0
+    assert set(figures["iteration_ms"]) == set(bench_small.PAIRS)
+    for found in figures["iteration_ms"].values():
+        for library in ("torch", "mixedopt"):
+            assert all(found[library][key] > 0 for key in ("iteration", "backward", "step"))
+    for pair in bench_small.PAIRS:
+        assert pair in text

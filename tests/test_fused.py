@@ -146,10 +146,9 @@ def compiled_calls(opt, monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
-def test_a_group_of_small_parameters_is_updated_in_one_compiled_call(name, monkeypatch):
+def test_small_rmsprop_parameters_are_updated_in_one_compiled_call(monkeypatch):
     model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(32)])  # 64 parameters
-    opt = OPTIMIZERS[name][0](model.parameters(), lr=0.01, fused=True)
+    opt = mixedopt.RMSprop(model.parameters(), lr=0.01, fused=True)
     x = torch.randn(4, 16)
     for step in range(3):
         if step == 2:
@@ -161,10 +160,35 @@ def test_a_group_of_small_parameters_is_updated_in_one_compiled_call(name, monke
     assert len(calls[0]) == 2  # one pack: rows x ROW
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_small_parameters_take_torchs_fused_update_where_the_parent_has_one(name, monkeypatch):
+    """No compiled call: the same result as torch.optim's fused update fed float32 gradients."""
+    mixed_cls, torch_cls = OPTIMIZERS[name]
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(8)])
+    reference = copy.deepcopy(model)
+    kwargs = dict(lr=0.01, weight_decay=0.01, **({"momentum": 0.9} if name == "SGD" else {}))
+    opt = mixed_cls(model.parameters(), fused=True, **kwargs)
+    ref = torch_cls(reference.parameters(), fused=True, **kwargs)
+    calls = compiled_calls(opt, monkeypatch)
+    for _ in range(3):
+        model(torch.randn(4, 16)).square().mean().backward()
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            q.grad = opt.true_grad(p)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert calls == []
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(p, q)
+        for key, value in ref.state[q].items():
+            assert torch.equal(opt.state[p][key], value)
+
+
 def test_compiled_calls_of_a_group_are_bounded_by_its_bytes(monkeypatch, small_packs):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n)) for n in [10] * 40 + [100, 300]]
-    opt = mixedopt.Adam(params, fused=True)
+    opt = mixedopt.RMSprop(params, fused=True)
     for step in range(3):
         if step == 2:
             calls = compiled_calls(opt, monkeypatch)
@@ -181,7 +205,7 @@ def test_the_number_of_compiled_graphs_does_not_grow_with_the_number_of_paramete
     counts = []
     for layers in (2, 40):
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)])
-        opt = mixedopt.AdamW(model.parameters(), fused=True)
+        opt = mixedopt.RMSprop(model.parameters(), fused=True)
         before = graphs_compiled()
         for _ in range(3):
             model(torch.randn(2, 8)).square().mean().backward()
@@ -216,7 +240,7 @@ def test_packs_of_other_size_patterns_do_not_recompile(small_packs):
     torch.manual_seed(0)
     # A pack of equal sizes, a pack of distinct sizes, and two parameters alone.
     params = [nn.Parameter(torch.randn(n)) for n in [10] * 4 + list(range(11, 15)) + [40, 50]]
-    opt = mixedopt.Adam(params, fused=True)
+    opt = mixedopt.RMSprop(params, fused=True)
     for step in range(4):
         if step == 2:
             compiled = graphs_compiled()
@@ -278,7 +302,7 @@ def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(mo
     monkeypatch.setattr(mixedopt._fused, "_over_limit", set())
     torch.manual_seed(0)
     data = [torch.randn(n) for n in range(3, 11)]
-    params, reference, opt, ref = fused_and_default("SGD", data, lr=0.1, momentum=0.9)
+    params, reference, opt, ref = fused_and_default("RMSprop", data, lr=0.1, momentum=0.9)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):
@@ -295,8 +319,8 @@ def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(mo
             ref.zero_grad()
     messages = [str(w.message) for w in caught if "parameter layouts" in str(w.message)]
     assert messages == [
-        "mixedopt: fused=True has compiled sgd_kernel for 1 parameter layouts; parameters of other "
-        "layouts are updated uncompiled"
+        "mixedopt: fused=True has compiled rmsprop_kernel for 1 parameter layouts; parameters of "
+        "other layouts are updated uncompiled"
     ]
     for p, q in zip(params, reference, strict=True):
         torch.testing.assert_close(p, q)
@@ -366,8 +390,8 @@ NO_COMPILER = textwrap.dedent(
     config.autotune_local_cache = False
     params = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
     reference = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
-    opt = mixedopt.Adam(params, lr=0.1, fused=True)
-    ref = mixedopt.Adam(reference, lr=0.1)
+    opt = mixedopt.RMSprop(params, lr=0.1, fused=True)  # no torch fused update to take over
+    ref = mixedopt.RMSprop(reference, lr=0.1)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):

@@ -1,0 +1,198 @@
+"""The many-small-parameters regime: what a parameter costs in backward and in ``step()``.
+
+On a GPU a model has hundreds of parameter tensors and every dispatched operation costs a launch
+plus Python; a deep, narrow model on a CPU (``layers x Linear(width, width)``, batch 16) is the
+cheap stand-in for that regime, where compute is small and per-operation costs decide.
+
+Two measurements, side by side with torch.optim:
+
+* ``count_ops``: the aten operations a piece of code dispatches, counted with a
+  ``TorchDispatchMode``: deterministic, so the tests assert on them. ``op_counts`` counts one
+  ``backward()`` and one ``step()`` of each pair below (the default paths; a compiled function
+  refuses to run under such a mode, so the fused steps are timed only).
+* ``iteration_times``: a training iteration (forward under ``autocast(float16)``, backward,
+  ``step()``, ``zero_grad()``), its backward and its step timed separately, the two optimizers
+  of a pair taking turns iteration by iteration so that the machine's drift reaches them alike.
+  Ratios are mixedopt's time over torch.optim's: lower is faster.
+
+``python -m mixedopt.bench`` prints both (``--no-small`` leaves them out).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import mixedopt
+
+# name -> (torch.optim optimizer, mixedopt optimizer), each built from model.parameters().
+PAIRS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], Callable[[Any], Any]]] = {
+    "AdamW, default vs foreach": (
+        lambda p: torch.optim.AdamW(p, foreach=True),
+        lambda p: mixedopt.AdamW(p),
+    ),
+    "AdamW, fused vs fused": (
+        lambda p: torch.optim.AdamW(p, fused=True),
+        lambda p: mixedopt.AdamW(p, fused=True),
+    ),
+    "SGD momentum, default vs foreach": (
+        lambda p: torch.optim.SGD(p, lr=1e-3, momentum=0.9, foreach=True),
+        lambda p: mixedopt.SGD(p, lr=1e-3, momentum=0.9),
+    ),
+    "RMSprop, default vs foreach": (
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True),
+        lambda p: mixedopt.RMSprop(p, lr=1e-3),
+    ),
+}
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn: Callable[[], Any]) -> int:
+    """The aten operations ``fn()`` dispatches (views included)."""
+    with _Counter() as counter:
+        fn()
+    return counter.count
+
+
+def model(layers: int, width: int, seed: int = 0, device: str = "cpu") -> nn.Module:
+    """``layers x Linear(width, width)``: ``2 x layers`` parameters, the same for a seed."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
+
+
+def _loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.autocast(x.device.type, dtype=torch.float16):
+        return net(x).float().square().mean()
+
+
+def op_counts(
+    make: Callable[[Any], Any], layers: int, width: int = 32, batch: int = 16
+) -> dict[str, int]:
+    """Operations of one ``backward()`` and one ``step()``, after two warm-up iterations."""
+    net = model(layers, width)
+    opt = make(net.parameters())
+    x = torch.randn(batch, width)
+    for _ in range(2):
+        _loss(net, x).backward()
+        opt.step()
+        opt.zero_grad()
+    loss = _loss(net, x)
+    return {"backward": count_ops(loss.backward), "step": count_ops(opt.step)}
+
+
+def per_parameter(counts_small: dict[str, int], counts_large: dict[str, int], extra: int) -> Any:
+    """Operations per parameter added between two model sizes (``extra`` more parameters)."""
+    return {key: (counts_large[key] - counts_small[key]) / extra for key in counts_small}
+
+
+def iteration_times(
+    pair: str,
+    layers: int = 64,
+    width: int = 64,
+    batch: int = 16,
+    repeat: int = 50,
+    warmup: int = 5,
+    device: str = "cpu",
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds of an iteration, its backward and its step, for both of ``pair``."""
+    x = torch.randn(batch, width, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    runs = []
+    for make in PAIRS[pair]:
+        net = model(layers, width, device=device)
+        opt = make(net.parameters())
+        times: dict[str, list[float]] = {"iteration": [], "backward": [], "step": []}
+
+        def iteration(net: nn.Module = net, opt: Any = opt, times: Any = times) -> None:
+            sync()
+            start = time.perf_counter()
+            loss = _loss(net, x)
+            sync()
+            before_backward = time.perf_counter()
+            loss.backward()
+            sync()
+            before_step = time.perf_counter()
+            opt.step()
+            sync()
+            after_step = time.perf_counter()
+            opt.zero_grad()
+            sync()
+            end = time.perf_counter()
+            times["iteration"].append(end - start)
+            times["backward"].append(before_step - before_backward)
+            times["step"].append(after_step - before_step)
+
+        for _ in range(warmup + 2):  # fused steps compile in their first two
+            iteration()
+        for values in times.values():
+            values.clear()
+        runs.append((iteration, times))
+    for _ in range(repeat):
+        for iteration, _ in runs:
+            iteration()
+    (_, torch_times), (_, mixed_times) = runs
+    result = {}
+    for name, times in (("torch", torch_times), ("mixedopt", mixed_times)):
+        result[name] = {key: 1e3 * statistics.median(values) for key, values in times.items()}
+    return result
+
+
+def report(repeat: int = 50, device: str = "cpu") -> tuple[str, dict[str, Any]]:
+    """The regime's tables as text, and their figures."""
+    counts = {}
+    for pair, makers in PAIRS.items():
+        if "fused" in pair:
+            continue
+        counts[pair] = {}
+        for library, make in zip(("torch", "mixedopt"), makers, strict=True):
+            small, large = op_counts(make, 8), op_counts(make, 64)
+            counts[pair][library] = {
+                "16 params": small,
+                "128 params": large,
+                "per extra param": per_parameter(small, large, 112),
+            }
+    times = {pair: iteration_times(pair, repeat=repeat, device=device) for pair in PAIRS}
+    lines = [
+        "Aten operations dispatched, 8 and 64 x Linear(32, 32) (16 and 128 parameters):",
+        "",
+        "| optimizers | | backward, 16 | backward, 128 | step, 16 | step, 128 | "
+        "per extra parameter: backward | step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for pair, by_library in counts.items():
+        for library, found in by_library.items():
+            small, large, each = found["16 params"], found["128 params"], found["per extra param"]
+            lines.append(
+                f"| {pair} | {library} | {small['backward']} | {large['backward']} | "
+                f"{small['step']} | {large['step']} | {each['backward']:.2f} | {each['step']:.2f} |"
+            )
+    lines += [
+        "",
+        f"Training iteration of 64 x Linear(64, 64), batch 16, autocast(float16), median of "
+        f"{repeat}, ms (mixedopt / torch.optim):",
+        "",
+        "| optimizers | iteration | backward | step |",
+        "|---|---:|---:|---:|",
+    ]
+    for pair, found in times.items():
+        cells = []
+        for key in ("iteration", "backward", "step"):
+            ours, theirs = found["mixedopt"][key], found["torch"][key]
+            cells.append(f"{ours:.2f} / {theirs:.2f} = {ours / theirs:.2f}x")
+        lines.append(f"| {pair} | " + " | ".join(cells) + " |")
+    return "\n".join(lines), {"op_counts": counts, "iteration_ms": times}
