@@ -4,10 +4,11 @@
 gradient storage (``_storage.py``) at construction. Its ``step()`` finds, for all parameters at
 once, each gradient's factor (1 / storage scale x 1 / loss scale x clip coefficient) and whether
 the step is skipped, then updates each group on one of two paths: the default one
-(``_slices.py``: float32 gradients in bounded slices, handed to the parent's public functional
-update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True`` (``_fused_step.py``: compiled
-kernels that read the 16-bit gradients). An optimizer file only says how its state is created
-and which functional and kernel to call.
+(``_default_step.py``: float32 gradients in bounded batches, handed to the parent's public
+functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True`` (torch's fused
+update for small parameters where the parent has one, else the compiled kernels of
+``_fused_step.py``, which read the 16-bit gradients). An optimizer file only says how its state
+is created and which functional and kernel to call.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from . import _fused, _packing
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
 from ._fused_step import fused_update
-from ._packing import Entry, Workspace
+from ._packing import Entry, Workspace, dense_order, flat_view
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
@@ -32,15 +33,12 @@ _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
 def _l2_norm(grad: Tensor) -> Tensor:
     """L2 norm in float32, slice by slice: no float32 copy of a whole large gradient."""
-    order = grad.dim() and tuple(sorted(range(grad.dim()), key=lambda d: -grad.stride(d)))
     capacity = _packing.budget(grad.device).capacity
     # A sharded (DTensor) gradient: its own norm, a value to be reduced over ranks (full_values).
-    if grad.numel() <= capacity or is_dtensor(grad) or not order:
+    order = None if grad.numel() <= capacity or is_dtensor(grad) else dense_order(grad)
+    flat = None if order is None else flat_view(grad, order)
+    if flat is None:
         return torch.linalg.vector_norm(grad, dtype=torch.float32)
-    permuted = grad.permute(order)
-    if not permuted.is_contiguous():
-        return torch.linalg.vector_norm(grad, dtype=torch.float32)
-    flat = permuted.view(-1)
     parts = [
         torch.linalg.vector_norm(flat[start : start + capacity], dtype=torch.float32)
         for start in range(0, flat.numel(), capacity)
@@ -72,7 +70,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
     ``grad_dtype`` after ``backward()``, holding the true gradient times a per-tensor power-of-two
     storage scale (``true_grad`` undoes it). ``step()`` upcasts and unscales the gradients in
-    bounded slices and applies the parent's float32 update to float32 weights and state.
+    bounded batches and applies the parent's float32 update to float32 weights and state.
 
     Args:
         grad_dtype: dtype of the stored gradients, ``torch.float16`` (default) or
@@ -128,7 +126,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: Tensor | None = None
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
-        self._workspace = Workspace()  # buffers small parameters are packed into
+        self._workspace = Workspace()  # buffers gradients are upcast and parameters packed into
         self._grad_storage = GradientStorage(grad_dtype)
         # The storage does not reference the optimizer: it is released when the optimizer dies.
         self._release_storage = weakref.finalize(self, self._grad_storage.release)
@@ -353,14 +351,20 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return torch.stack([n.to(device) for n in full_values(norms)])  # type: ignore[arg-type]
 
     @staticmethod
-    def _foreach(group: dict[str, Any]) -> bool:
-        """Whether the functional update runs torch's foreach implementation.
+    def _foreach(group: dict[str, Any], params: list[Tensor]) -> bool | None:
+        """The ``foreach`` the functional update gets for a batch of ``params``.
 
-        ``foreach=None`` takes it on every device, where torch takes it on CUDA only: on a CPU
-        it costs less than the for-loop one for the same result, and mixedopt's batches bound
-        its temporaries. ``foreach=False`` keeps the for-loop one.
+        ``foreach=None`` (the default) takes torch's foreach implementation on a CPU for a batch
+        of small tensors (32Ki elements each on average, or fewer), where a dispatch per tensor
+        and operation costs more than the temporaries it saves, and leaves the choice to torch
+        otherwise (the for-loop implementation on a CPU, foreach on CUDA). Both give the same
+        result.
         """
-        return group["foreach"] is not False
+        foreach = group["foreach"]
+        if foreach is None and params and params[0].device.type == "cpu":
+            elements = sum(p.numel() for p in params)
+            return elements <= _packing.CPU_SMALL * len(params)
+        return foreach
 
     def _step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
         keys = self._state_keys(group)

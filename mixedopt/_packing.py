@@ -37,7 +37,9 @@ ROW = 64
 # read back), 4 Mi = 16 MiB on an accelerator (fewer launches).
 CPU_CAPACITY = 1 << 20
 ACCELERATOR_CAPACITY = 1 << 22
-# The largest tensor packed with others on a CPU (by backward's buckets and by fused=True).
+# The largest tensor worked on together with others on a CPU (backward's buckets, fused=True's
+# packs, the default step's foreach batches): above it, a tensor's bytes cost more than the few
+# dispatches it takes alone.
 CPU_SMALL = 1 << 15
 # On an accelerator: the largest parameter fused=True packs (a compiled call costs tens of
 # microseconds of Python, a copy of 1 Mi elements a few microseconds).

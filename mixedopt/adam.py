@@ -55,7 +55,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            foreach=None if group["fused"] else self._foreach(group),
+            foreach=None if group["fused"] else self._foreach(group, params),
             fused=group["fused"],
             found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],

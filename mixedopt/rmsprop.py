@@ -64,7 +64,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
             centered=group["centered"],
-            foreach=self._foreach(group),
+            foreach=self._foreach(group, params),
             maximize=group["maximize"],
         )
 

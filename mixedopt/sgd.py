@@ -50,7 +50,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            foreach=None if group["fused"] else self._foreach(group),
+            foreach=None if group["fused"] else self._foreach(group, params),
             fused=group["fused"],
             found_inf=found_inf,
         )
