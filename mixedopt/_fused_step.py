@@ -1,13 +1,15 @@
-"""fused=True: a group's update in a bounded number of compiled calls.
+"""fused=True: the compiled kernels' share of a group's update, in a bounded number of calls.
 
-Small parameters (``_packing.budget(device).fused_small`` elements or fewer) are packed
-(``_packing.py``): their weights, gradients and state are copied into buffers of rows (one
-``_foreach_copy_`` for all), updated by one compiled call per ``capacity`` elements, with each
-parameter's factor and step coefficients given per row, and copied back. A larger parameter is
-updated in place by a compiled call of its own, on 1-D aliases of its memory: its bytes outweigh
-the cost of a call. So a group costs one compiled call per ``fused_small`` elements of its
-parameters at most (and two compiled variants of each kernel: packed rows, and one parameter),
-whatever the number of parameters.
+They update RMSprop's parameters, and those of Adam, AdamW and SGD larger than
+``_packing.budget(device).fused_small`` (the smaller ones take torch's own fused update, see
+``MixedPrecisionOptimizer._fused_step_group``). Parameters of up to ``fused_small`` elements are
+packed (``_packing.py``): their weights, gradients and state are copied into buffers of rows
+(one ``_foreach_copy_`` for all), updated by one compiled call per ``capacity`` elements, with
+each parameter's factor and step coefficients given per row, and copied back. A larger parameter
+is updated in place by a compiled call of its own, on 1-D aliases of its memory: its bytes
+outweigh the cost of a call. So a group costs one compiled call per ``fused_small`` elements of
+its parameters at most (and two compiled variants of each kernel: packed rows, and one
+parameter), whatever the number of parameters.
 
 The step counters advance outside the kernels, with one ``_foreach_add_``.
 """

@@ -724,7 +724,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         dest="small",
         action="store_false",
         help="skip the many-small-parameters regime (64 x Linear(64, 64): dispatched operations "
-        "per backward and per step, iteration times; see mixedopt.bench_small)",
+        "per backward and per step, iteration times over 5 x --repeat iterations, 100 at "
+        "least; see mixedopt.bench_small)",
     )
     parser.add_argument(
         "--mlp-width", type=_positive, default=1024, help="MLP width for the iteration (1024)"
@@ -844,7 +845,8 @@ def _run(args: argparse.Namespace) -> int:
         print(format_iteration(iteration))
     small: dict[str, Any] = {}
     if args.small:
-        text, small = bench_small.report(repeat=max(args.repeat, 20), device=args.device)
+        # Iterations of a few milliseconds: more of them than of the large steps.
+        text, small = bench_small.report(repeat=max(5 * args.repeat, 100), device=args.device)
         print()
         print("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
         print()

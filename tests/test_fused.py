@@ -236,6 +236,24 @@ def test_fused_running_averages_with_weights_of_a_half_or_more_match_the_default
         twins.zero_grad()
 
 
+def test_a_param_group_added_with_a_known_layout_does_not_recompile(small_packs):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(n)) for n in (10, 12, 40)]
+    opt = mixedopt.RMSprop(params, lr=0.1, fused=True)
+    for step in range(6):
+        if step == 2:
+            compiled = graphs_compiled()
+        if step == 3:  # other sizes, another learning rate: the same compiled layouts
+            added = [nn.Parameter(torch.randn(n)) for n in (7, 19, 33, 50)]
+            opt.add_param_group({"params": added, "lr": 0.01})
+            params += added
+        for p in params:
+            (p * torch.randn(p.shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert graphs_compiled() == compiled
+
+
 def test_packs_of_other_size_patterns_do_not_recompile(small_packs):
     torch.manual_seed(0)
     # A pack of equal sizes, a pack of distinct sizes, and two parameters alone.
