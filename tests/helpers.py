@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import torch
 from hypothesis import strategies as st
@@ -187,3 +192,41 @@ class Twins:
                     self.largest[key] = largest
                     atol = max(atol, scale_ulps * 2.0**-23 * largest)
                 torch.testing.assert_close(mine, theirs, rtol=1.3e-6, atol=atol)
+
+
+# The start of a child process that measures peak resident memory (Linux): ``status(key)`` reads
+# VmRSS or VmHWM in bytes, and ``reset_peak()`` writes 5 to clear_refs, which resets the peak
+# (VmHWM) to the current resident size.
+PEAK_PRELUDE = textwrap.dedent(
+    """
+    import json, sys, torch, mixedopt
+
+    def status(key):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    """
+)
+
+
+def peak_in_child(script, *args):
+    """Run ``PEAK_PRELUDE + script`` in a new interpreter; the ``extra`` it prints as JSON.
+
+    Large allocations go straight to mmap (and back to the system when freed), so that resident
+    memory follows what is allocated.
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    result = subprocess.run(
+        [sys.executable, "-c", PEAK_PRELUDE + textwrap.dedent(script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])["extra"]

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
-from helpers import SHAPES
+from helpers import SHAPES, peak_in_child
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -135,50 +131,29 @@ COUNT, NUMEL = 512, 1 << 15  # 16 Mi elements in gradients of 32Ki elements: 16 
 
 # The peak resident memory of one backward over parameters whose gradients are all bucketed,
 # measured as tests/test_memory.py measures a step.
-MEASURE = textwrap.dedent(
-    """
-    import json, sys, torch, mixedopt
+MEASURE = """
+library, count, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(count)]
+if library == "mixedopt":
+    opt = mixedopt.SGD(params, lr=0.1)
+weights = [torch.randn(numel) for _ in range(count)]
 
-    def status(key):
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-
-    library, count, numel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    params = [torch.nn.Parameter(torch.zeros(numel)) for _ in range(count)]
-    if library == "mixedopt":
-        opt = mixedopt.SGD(params, lr=0.1)
-    weights = [torch.randn(numel) for _ in range(count)]
-
-    def backward():
-        loss = sum((p * w).sum() for p, w in zip(params, weights))
-        loss.backward()
-        for p in params:
-            p.grad = None
-
-    backward()  # buffers of the first backward (staging) exist
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    before = status("VmRSS")
+def backward():
     loss = sum((p * w).sum() for p, w in zip(params, weights))
     loss.backward()
-    print(json.dumps({"extra": status("VmHWM") - before}))
-    """
-)
+
+backward()  # buffers of the first backward (staging) exist
+for p in params:
+    p.grad = None
+reset_peak()
+before = status("VmRSS")
+backward()
+print(json.dumps({"extra": status("VmHWM") - before}))
+"""
 
 
 def backward_peak(library):
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    result = subprocess.run(
-        [sys.executable, "-c", MEASURE, library, str(COUNT), str(NUMEL)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.strip().splitlines()[-1])["extra"]
+    return peak_in_child(MEASURE, library, COUNT, NUMEL)
 
 
 @pytest.mark.skipif(
