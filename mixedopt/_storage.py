@@ -293,15 +293,7 @@ class GradientStorage:
                 or incoming.numel() > bucket.small
             ):
                 return self._take(slot, incoming, previous)
-            elements = -(-incoming.numel() // ROW) * ROW  # whole rows
-            if bucket.elements + elements > bucket.capacity:
-                self._store_bucket(bucket)
-            param.grad = incoming  # true values until stored, as torch.optim would have them
-            bucket.slots.append(slot)
-            bucket.incoming.append(incoming)
-            bucket.previous.append(previous)
-            bucket.elements += elements
-            slot.pending = True
+            self._wait(bucket, slot, incoming, previous)
             return (None,)  # taken: autograd stores nothing
 
         return hook
@@ -330,16 +322,22 @@ class GradientStorage:
         if bucket.task != task:  # what waits is stored when this backward ends
             bucket.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        elements = -(-incoming.numel() // ROW) * ROW
+        self._wait(bucket, slot, incoming, previous)
+        return (None,)
+
+    def _wait(
+        self, bucket: _Bucket, slot: _Slot, incoming: Tensor, previous: Tensor | None
+    ) -> None:
+        """Put a gradient in ``bucket``, after storing what it holds if it would overflow."""
+        elements = -(-incoming.numel() // ROW) * ROW  # whole rows
         if bucket.elements + elements > bucket.capacity:
             self._store_bucket(bucket)
-        slot.param.grad = incoming
+        slot.param.grad = incoming  # true values until stored, as torch.optim would have them
         bucket.slots.append(slot)
         bucket.incoming.append(incoming)
         bucket.previous.append(previous)
         bucket.elements += elements
         slot.pending = True
-        return (None,)
 
     def flush(self) -> None:
         """Store every gradient still waiting in a bucket."""
