@@ -8,7 +8,7 @@ worked on there with a handful of operations for all of them.
 The buffer is viewed as ``rows x ROW`` and every tensor starts on a row of its own (its last row
 padded), so that a value per tensor (a scale) becomes a value per row with one indexing
 operation and applies with one broadcast multiplication, and a maximum per row reduces to a
-maximum per tensor with one ``scatter_reduce``.
+maximum per tensor with one ``segment_reduce``.
 
 How much is packed, per device, is set here too (``budget``): a buffer holds at most
 ``capacity`` elements (which bounds the memory it costs), and only tensors up to a size are
@@ -104,6 +104,23 @@ class RowLayout:
     def per_tensor_max(self, row_values: Tensor) -> Tensor:
         """The largest of each tensor's rows (0 for a tensor without rows); NaN propagates."""
         return torch.segment_reduce(row_values, "max", lengths=self.counts, unsafe=True, initial=0)
+
+
+class IndexCache:
+    """Lists of positions as index tensors, kept: the same few come back every step."""
+
+    def __init__(self, size: int = 64) -> None:
+        self._size = size
+        self._found: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
+
+    def get(self, positions: Sequence[int], device: torch.device) -> Tensor:
+        key = (device, tuple(positions))
+        found = self._found.get(key)
+        if found is None:
+            if len(self._found) >= self._size:
+                self._found.clear()
+            found = self._found[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
+        return found
 
 
 class LayoutCache:
@@ -234,7 +251,7 @@ class Workspace:
         self._buffers: dict[tuple[torch.device, str, torch.dtype], Tensor] = {}
         self._views: dict[tuple[Any, ...], Tensor] = {}
         self._layouts = LayoutCache()
-        self._indices: dict[tuple[torch.device, tuple[int, ...]], Tensor] = {}
+        self._indices = IndexCache()
         # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
         self.aliases: dict[int, tuple[tuple[Any, ...], list[Tensor]]] = {}
 
@@ -249,13 +266,7 @@ class Workspace:
 
     def index(self, positions: Sequence[int], device: torch.device) -> Tensor:
         """``positions`` as an index tensor on ``device`` (kept: packs repeat every step)."""
-        key = (device, tuple(positions))
-        found = self._indices.get(key)
-        if found is None:
-            if len(self._indices) >= 64:
-                self._indices.clear()
-            found = self._indices[key] = torch.tensor(key[1], dtype=torch.int64, device=device)
-        return found
+        return self._indices.get(positions, device)
 
     def buffer(self, role: str, dtype: torch.dtype, device: torch.device, elements: int) -> Tensor:
         """The flat buffer of ``role``, at least ``elements`` long."""

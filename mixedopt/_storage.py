@@ -53,7 +53,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _packing
 from ._distributed import ddp_managed, process_group_exists
-from ._packing import ROW, LayoutCache, RowLayout, dense_strides, view_in
+from ._packing import ROW, IndexCache, LayoutCache, RowLayout, dense_strides, rows_for, view_in
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -193,7 +193,7 @@ class _Bucket:
             self.slots.append(slots[i])
             self.incoming.append(incoming[i])
             self.previous.append(previous[i])
-            self.elements += -(-incoming[i].numel() // ROW) * ROW
+            self.elements += rows_for(incoming[i].numel()) * ROW
             slots[i].pending = True
 
 
@@ -216,7 +216,7 @@ class GradientStorage:
         self._staging_rows: dict[torch.device, tuple[RowLayout, Tensor]] = {}
         self._layouts = LayoutCache()
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
-        self._indices: dict[tuple[Any, ...], Tensor] = {}  # stats_table's index tensors
+        self._indices = IndexCache()  # stats_table's index tensors
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
@@ -329,7 +329,7 @@ class GradientStorage:
         self, bucket: _Bucket, slot: _Slot, incoming: Tensor, previous: Tensor | None
     ) -> None:
         """Put a gradient in ``bucket``, after storing what it holds if it would overflow."""
-        elements = -(-incoming.numel() // ROW) * ROW  # whole rows
+        elements = rows_for(incoming.numel()) * ROW  # whole rows
         if bucket.elements + elements > bucket.capacity:
             self._store_bucket(bucket)
         slot.param.grad = incoming  # true values until stored, as torch.optim would have them
@@ -463,12 +463,7 @@ class GradientStorage:
                 joined += stats.shape[0]
             index.append(first[0] + row)
         parts = [unit, *(t.to(device) for _, t in tables.values())]
-        key = (device, tuple(index))
-        positions = self._indices.get(key)
-        if positions is None:
-            if len(self._indices) >= 16:
-                self._indices.clear()
-            positions = self._indices[key] = torch.tensor(index, device=device)
+        positions = self._indices.get(index, device)
         return torch.cat(parts).index_select(0, positions), index
 
     # ------------------------------------------------------------------ for step()
