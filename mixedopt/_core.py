@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import _fused, _packing
 from ._default_step import default_update
@@ -189,6 +190,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                     "float32 and use torch.autocast for low-precision compute)"
                 )
             self._grad_storage.check_can_manage(p)
+        self._check_fused_devices(group)
+
+    @staticmethod
+    def _check_fused_devices(group: dict[str, Any]) -> None:
+        """Raise torch's error for ``fused=True`` on a device it has no fused kernels for.
+
+        At construction, where torch.optim raises it at the first step: the compiled kernels and
+        torch's fused updates run on the same devices.
+        """
+        if group.get("fused"):
+            for p in group["params"]:
+                _device_dtype_check_for_fused(p)
 
     def remove_grad_storage(self) -> None:
         """Stop storing gradients in ``grad_dtype``.

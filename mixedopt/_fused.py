@@ -145,6 +145,8 @@ def adam_step_coefficients(
     apart. Counters on the CPU are read (free there), and each distinct count is computed once
     in Python, as torch.optim computes it; counters on an accelerator stay there.
     """
+    if isinstance(lr, Tensor):
+        lr = lr.reshape(())  # torch accepts a one-element tensor of any shape
     if steps.device.type == "cpu" and not isinstance(lr, Tensor):
         counts = steps.tolist()
         by_count: dict[float, tuple[float, float]] = {}
@@ -196,9 +198,10 @@ def flat_alias(t: Tensor) -> Tensor:
 def scalars(*values: float | Tensor) -> list[Tensor]:
     """Coefficients as 0-dim float32 tensors: a new value does not recompile.
 
-    Python numbers are rounded to float32 from float64, as torch's kernels round them.
+    Python numbers are rounded to float32 from float64, as torch's kernels round them. A
+    one-element tensor (a tensor ``lr`` of any shape, as torch accepts) becomes 0-dim.
     """
-    return [torch.as_tensor(v, dtype=torch.float64).float() for v in values]
+    return [torch.as_tensor(v, dtype=torch.float64).float().reshape(()) for v in values]
 
 
 def optional(value: float) -> Tensor | None:

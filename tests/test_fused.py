@@ -520,3 +520,37 @@ def test_bfloat16_storage_fused_and_default_match_torch_optim(name):
     for p, q, r in zip(fused_params, default_params, reference, strict=True):
         torch.testing.assert_close(q, r)
         torch.testing.assert_close(p, r)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+def test_fused_takes_a_tensor_learning_rate_of_any_one_element_shape(name, shape):
+    """As torch.optim does: the weights of torch.optim with a float lr.
+
+    On torch's fused update and on the compiled kernels.
+    """
+    torch.manual_seed(0)
+    # 10 x 10 takes torch's fused update (or a pack), 200 x 200 a compiled call of its own.
+    data = [torch.randn(10, 10), torch.randn(200, 200)]
+    momentum = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
+    lr = torch.full(shape, 0.01)
+    params = [nn.Parameter(d.clone()) for d in data]
+    reference = [nn.Parameter(d.clone()) for d in data]
+    opt = OPTIMIZERS[name][0](params, lr=lr, fused=True, **momentum)
+    ref = OPTIMIZERS[name][1](reference, lr=0.01, **momentum)
+    for _ in range(3):
+        for p, q in zip(params, reference, strict=True):
+            q.grad = torch.randn(p.shape)
+            p.grad = q.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_on_a_device_without_fused_kernels_raises_torchs_error(name):
+    p = nn.Parameter(torch.ones(4, device="meta"))
+    with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating"):
+        OPTIMIZERS[name][0]([p], lr=0.1, fused=True)
+    assert p.grad_dtype == torch.float32  # the optimizer that failed released the parameter
