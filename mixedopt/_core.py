@@ -229,6 +229,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
         return self._skipped_on_host + on_device
 
+    # Excluded from torch.compile (``torch.compile(optimizer.step)`` runs it eagerly, a graph
+    # break): dynamo traces parameters as fake tensors without the ``grad_dtype = None`` that
+    # lets a float32 parameter hold a 16-bit .grad. ``fused=True`` is the compiled step.
+    @torch.compiler.disable(
+        reason="mixedopt's step() runs eagerly under torch.compile: its parameters hold 16-bit "
+        ".grad tensors that dynamo cannot trace; use fused=True for a compiled step"
+    )
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Perform a single optimization step; see the parent class.

@@ -301,3 +301,31 @@ def test_a_deep_copy_keeps_its_settings_and_stores_its_own_gradients(name):
         assert p.grad.dtype == torch.bfloat16
     clone.step()
     assert clone.state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_torch_compile_of_step_runs_it_eagerly_with_the_same_weights(fused):
+    """PyTorch's recipe for a compiled optimizer, ``torch.compile(optimizer.step)``."""
+    model = small_model()
+    eager_model = twin(model)
+    opt = mixedopt.AdamW(model.parameters(), lr=0.01, fused=fused)
+    eager = mixedopt.AdamW(eager_model.parameters(), lr=0.01, fused=fused)
+    compiled_step = torch.compile(opt.step)
+    x = torch.randn(4, 6)
+    for _ in range(3):
+        autocast_backward(model, x)
+        autocast_backward(eager_model, x)
+        compiled_step()
+        eager.step()
+        opt.zero_grad()
+        eager.zero_grad()
+    for p, q in zip(model.parameters(), eager_model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_torch_compile_of_step_with_fullgraph_refuses_pointing_to_fused():
+    model = small_model()
+    opt = mixedopt.AdamW(model.parameters())
+    autocast_backward(model, torch.randn(4, 6))
+    with pytest.raises(Exception, match="use fused=True for a compiled step"):
+        torch.compile(opt.step, fullgraph=True)()
