@@ -13,6 +13,8 @@ is created and which functional and kernel to call.
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -30,6 +32,18 @@ from ._packing import Entry, Workspace, dense_order, flat_view
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
+_LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside mixedopt and torch.
+
+    ``step()`` is reached through torch's wrappers (hooks, no_grad, torch.compiler.disable).
+    """
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level
 
 
 def _l2_norm(grad: Tensor) -> Tensor:
@@ -89,10 +103,6 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             Reading it after fused steps on an accelerator synchronises with the device.
     """
 
-    # GradScaler.step() hands this optimizer its scale and found_inf instead of unscaling 16-bit
-    # gradients itself (which it refuses to do).
-    _step_supports_amp_scaling = True
-
     def __init__(
         self,
         params: Any,
@@ -118,12 +128,18 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         except BaseException:
             self._release_storage()
             raise
+        self._step_supports_amp_scaling = grad_dtype == torch.float16  # the parent's fused sets it
 
     def _set_up(
         self, grad_dtype: torch.dtype, max_grad_norm: float | None, skipped_steps: int
     ) -> None:
         self.grad_dtype = grad_dtype
         self.max_grad_norm = max_grad_norm
+        # GradScaler hands float16 optimizers its scale and found_inf (it refuses to unscale
+        # float16 gradients itself); bfloat16 gradients hold true values, which GradScaler
+        # unscales as it does for torch.optim, so that unscale_() and clipping work as there.
+        self._step_supports_amp_scaling = grad_dtype == torch.float16
+        self._warned_changed_in_place = False
         self.last_grad_norm: Tensor | None = None
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
@@ -254,6 +270,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         steps = [(group, entries) for group, entries in steps if entries]
         if not steps:
             return loss
+        if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
+            self._warn_if_changed_in_place([e for _, entries in steps for e in entries])
         found_inf = getattr(self, "found_inf", None)
         factors, skip = self._factors_and_skip(
             [e for _, entries in steps for e in entries],
@@ -286,9 +304,34 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was "
                 f"skipped (weights and state unchanged; {self.skipped_steps} skipped so far)",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=_user_stacklevel(),
             )
         return loss
+
+    def _warn_if_changed_in_place(self, entries: list[Entry]) -> None:
+        """Warn, once, when code changed stored float16 gradients in place before ``step()``.
+
+        They hold the true gradient times a per-tensor scale, so what such code computed from
+        them (a clipping norm, above all) is wrong. Gradients zeroed in place
+        (``zero_grad(set_to_none=False)`` before a backward that gave them nothing) are fine.
+        """
+        changed = [e.grad for e in entries if e.stats is not None and not e.amax_current]
+        if not changed or not bool(torch.stack([abs_max(g) for g in changed]).max() > 0):
+            return
+        self._warned_changed_in_place = True
+        name = type(self).__name__
+        warnings.warn(
+            f"mixedopt.{name}: the float16 .grad of {len(changed)} parameter(s) was changed in "
+            "place between backward() and step(), for example by "
+            "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer's max_grad_norm, Lightning's "
+            "gradient_clip_val). Each holds the true gradient times its own power-of-two scale, "
+            "so a norm computed from .grad is not the gradient's norm and clipping by it scales "
+            f"the update wrongly. Clip with mixedopt.{name}(..., max_grad_norm=...) instead "
+            "(optimizer.last_grad_norm holds the norm to log) and turn the framework's clipping "
+            "off, or use grad_dtype=torch.bfloat16, whose .grad holds true values. Warned once.",
+            UserWarning,
+            stacklevel=_user_stacklevel(),
+        )
 
     def _collect(self, group: dict[str, Any]) -> list[Entry]:
         name = type(self).__name__

@@ -1,11 +1,12 @@
 """Gradient storage: makes each ``.grad`` of a float32 parameter land in a 16-bit dtype.
 
 What ``p.grad`` holds
-    After ``backward()``, ``p.grad`` is ``grad_dtype`` and holds the true gradient times a
-    per-tensor *storage scale*: a power of two, chosen when the gradient is stored, that puts the
-    largest magnitude in ``[2**7, 2**8)``. Powers of two are exact to apply and to undo, so the
-    only error is the 16-bit rounding of each element, whatever the magnitude of the gradient
-    (1e-9 or 1e6) and the loss scale. ``GradientStorage.true_grad(p)`` gives the fp32 gradient.
+    After ``backward()``, ``p.grad`` is ``grad_dtype``. In float16 it holds the true gradient
+    times a per-tensor *storage scale*: a power of two, chosen when the gradient is stored, that
+    puts the largest magnitude in ``[2**7, 2**8)``. Powers of two are exact to apply and to undo,
+    so the only error is the 16-bit rounding of each element, whatever the magnitude of the
+    gradient (1e-9 or 1e6) and the loss scale. bfloat16 has float32's range: it holds the true
+    gradient (scale 1), rounded. ``GradientStorage.true_grad(p)`` gives the fp32 gradient.
 
 How it gets there (PyTorch >= 2.10)
     * ``p.grad_dtype = None`` lets autograd accept a ``.grad`` whose dtype differs from ``p``.
@@ -357,6 +358,16 @@ class GradientStorage:
         )
         return list(stats[:, 0].reciprocal().unbind())
 
+    def _storage_scales(self, amax: Tensor) -> Tensor:
+        """The storage scale of each gradient of largest magnitude ``amax``.
+
+        float16 needs one (its range is narrow); bfloat16 has float32's range, so it stores true
+        values (scale 1) and code that reads ``p.grad`` sees the gradient itself.
+        """
+        if self.grad_dtype == torch.float16:
+            return power_of_two_scale(amax)
+        return torch.ones_like(amax)
+
     @torch.no_grad()
     def _store_bucket(self, bucket: _Bucket) -> None:
         """Store a bucket's gradients: a fixed number of operations for all of them."""
@@ -386,7 +397,7 @@ class GradientStorage:
         # Largest magnitude per tensor (NaN and inf propagate), then the scales. Two reductions
         # rather than abs(): no temporary of the bucket's size.
         amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
-        scales = power_of_two_scale(amax)
+        scales = self._storage_scales(amax)
         stored = torch.empty(layout.elements, dtype=self.grad_dtype, device=device)
         # Scale in float32 and round to grad_dtype: one pass for the whole bucket.
         torch.mul(rows, layout.per_row(scales), out=stored.view(layout.rows, ROW))
@@ -431,7 +442,7 @@ class GradientStorage:
             (inverse,) = self._inverse_scales([slot], [previous])
             true = torch.addcmul(true, previous, inverse)
         amax = abs_max(true)
-        scale = power_of_two_scale(amax)
+        scale = self._storage_scales(amax)
         param = slot.param
         stored = torch.empty_strided(
             param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device

@@ -1,0 +1,133 @@
+"""Code that reads or changes ``p.grad`` before ``step()``: clipping, norm logging, GradScaler.
+
+float16 gradients hold a per-tensor storage scale, so such code is warned about once; bfloat16
+gradients hold true values, so it gets the right answer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from helpers import OPTIMIZERS, autocast_backward, small_model, twin
+
+import mixedopt
+
+
+def clip(model, max_norm=0.1):
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
+def test_bfloat16_gradients_hold_true_values():
+    model = small_model()
+    opt = mixedopt.AdamW(model.parameters(), grad_dtype=torch.bfloat16)
+    autocast_backward(model, torch.randn(8, 6))
+    for p in model.parameters():
+        assert torch.equal(p.grad.float(), opt.true_grad(p))
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_clip_grad_norm_on_bfloat16_gradients_gives_the_norm_of_float32_gradients(name):
+    """And step() updates with what clipping left, as torch.optim does."""
+    model = small_model()
+    reference = twin(model)
+    opt = OPTIMIZERS[name][0](model.parameters(), lr=0.1, grad_dtype=torch.bfloat16)
+    ref = OPTIMIZERS[name][1](reference.parameters(), lr=0.1)
+    x = torch.randn(8, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing to warn about
+        for _ in range(3):
+            autocast_backward(model, x)
+            autocast_backward(reference, x)  # float32 gradients
+            norm, expected = clip(model), clip(reference)
+            # bfloat16 keeps 8 significant bits: the norm of rounded gradients is that close,
+            # and each clipped element within two roundings and the rounded coefficient.
+            torch.testing.assert_close(norm.float(), expected, rtol=2**-7, atol=0)
+            for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+                torch.testing.assert_close(opt.true_grad(p), q.grad, rtol=2**-6, atol=0)
+                q.grad = opt.true_grad(p)
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+            ref.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_clip_grad_norm_on_float16_gradients_warns_once_naming_max_grad_norm(name):
+    model = small_model()
+    opt = OPTIMIZERS[name][0](model.parameters(), lr=0.1)
+    x = torch.randn(8, 6)
+    autocast_backward(model, x)
+    clip(model)
+    with pytest.warns(UserWarning, match=r"changed in place.*clip_grad_norm_.*max_grad_norm="):
+        opt.step()
+    opt.zero_grad()
+    autocast_backward(model, x)
+    clip(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()  # once per optimizer
+
+
+def test_gradients_zeroed_in_place_before_a_backward_that_skips_them_do_not_warn():
+    model = small_model()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    x = torch.randn(8, 6)
+    autocast_backward(model, x)
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    with torch.autocast("cpu", dtype=torch.float16):
+        model[0](x).float().square().mean().backward()  # the last layer gets no gradient
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()
+
+
+def test_a_step_without_code_touching_the_gradients_does_not_warn():
+    model = small_model()
+    opt = mixedopt.AdamW(model.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            autocast_backward(model, torch.randn(8, 6))
+            opt.step()
+            opt.zero_grad()
+
+
+def test_gradscaler_leaves_unscaling_to_float16_optimizers_only():
+    """With bfloat16 it unscales as for torch.optim: frameworks then allow clipping."""
+    params = list(small_model().parameters())
+    assert mixedopt.Adam(params, fused=True)._step_supports_amp_scaling is True
+    bf16 = mixedopt.Adam(list(small_model().parameters()), fused=True, grad_dtype=torch.bfloat16)
+    assert bf16._step_supports_amp_scaling is False
+
+
+def test_gradscaler_unscale_then_clip_on_bfloat16_gradients_matches_torch_optim():
+    model = small_model()
+    reference = twin(model)
+    opt = mixedopt.SGD(model.parameters(), lr=0.1, momentum=0.9, grad_dtype=torch.bfloat16)
+    ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**10) for _ in range(2)]
+    x = torch.randn(8, 6)
+    for _ in range(3):
+        for net, optimizer, scaler in ((model, opt, scalers[0]), (reference, ref, scalers[1])):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = net(x).float().square().mean()
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            clip(net)
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-3)
+
+
+def test_pickled_bfloat16_optimizer_keeps_leaving_unscaling_to_gradscaler():
+    import copy
+
+    opt = mixedopt.Adam(small_model().parameters(), grad_dtype=torch.bfloat16)
+    assert copy.deepcopy(opt)._step_supports_amp_scaling is False
