@@ -144,9 +144,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
         self._workspace = Workspace()  # buffers gradients are upcast and parameters packed into
-        self._grad_storage = GradientStorage(grad_dtype)
-        # The storage does not reference the optimizer: it is released when the optimizer dies.
-        self._release_storage = weakref.finalize(self, self._grad_storage.release)
+        self._grad_storage = GradientStorage.shared(grad_dtype)
+        self._held_params: set[int] = set()  # ids of the parameters this optimizer holds
+        # The storage does not reference the optimizer: its parameters are let go when it dies.
+        self._release_storage = weakref.finalize(
+            self, self._grad_storage.release, self._held_params
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
@@ -174,8 +177,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         )
         for group in self.param_groups:
             for p in group["params"]:
-                if not is_dtensor(p):
-                    self._grad_storage.install(p)
+                self._install(p)
 
     # ------------------------------------------------------------------ construction
 
@@ -188,8 +190,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         for p in group["params"]:
-            if not is_dtensor(p):  # FSDP2 owns the gradients of its sharded parameters
-                self._grad_storage.install(p)
+            self._install(p)
+
+    def _install(self, param: Tensor) -> None:
+        # FSDP2 owns the gradients of its sharded parameters; after remove_grad_storage() this
+        # optimizer stores no gradient.
+        if not is_dtensor(param) and self._release_storage.alive:
+            self._grad_storage.install(param, self._held_params)
 
     def _check_group(self, group: dict[str, Any]) -> None:
         name = type(self).__name__
@@ -220,12 +227,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 _device_dtype_check_for_fused(p)
 
     def remove_grad_storage(self) -> None:
-        """Stop storing gradients in ``grad_dtype``.
+        """Stop storing gradients in ``grad_dtype`` for this optimizer's parameters.
 
         Removes the hooks installed at construction and gives every parameter its true float32
-        gradient back: from then on the parameters behave like plain torch parameters. The
-        optimizer still steps (on float32 gradients). Also done when the optimizer is garbage
-        collected.
+        gradient back: from then on the parameters behave like plain torch parameters, and
+        parameters added later are left alone. The optimizer still steps (on float32 gradients).
+        A parameter that another mixedopt optimizer also holds keeps its storage until that one
+        lets go too. Also done when the optimizer is garbage collected.
         """
         self._release_storage()
 
@@ -312,16 +320,24 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """Warn, once, when code changed stored float16 gradients in place before ``step()``.
 
         They hold the true gradient times a per-tensor scale, so what such code computed from
-        them (a clipping norm, above all) is wrong. Gradients zeroed in place
-        (``zero_grad(set_to_none=False)`` before a backward that gave them nothing) are fine.
+        them (a clipping norm, above all) is wrong. A change that left the largest magnitude as
+        stored (clipping by a coefficient of 1, which Hugging Face's Trainer does to log a norm)
+        is no change; nor are gradients zeroed in place (``zero_grad(set_to_none=False)`` before a
+        backward that gave them nothing).
         """
-        changed = [e.grad for e in entries if e.stats is not None and not e.amax_current]
-        if not changed or not bool(torch.stack([abs_max(g) for g in changed]).max() > 0):
+        changed = [e for e in entries if e.stats is not None and not e.amax_current]
+        if not changed:
+            return
+        device = changed[0].grad.device
+        stats, _ = self._grad_storage.stats_table([(e.stats, e.row) for e in changed], device)
+        stored = (stats[:, 0] * stats[:, 1]).to(self.grad_dtype).float()  # largest when stored
+        now = torch.stack([abs_max(e.grad).to(device) for e in changed])
+        if not bool(((now != stored) & (now > 0)).any()):
             return
         self._warned_changed_in_place = True
         name = type(self).__name__
         warnings.warn(
-            f"mixedopt.{name}: the float16 .grad of {len(changed)} parameter(s) was changed in "
+            f"mixedopt.{name}: the float16 .grad of parameters was changed in "
             "place between backward() and step(), for example by "
             "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer's max_grad_norm, Lightning's "
             "gradient_clip_val). Each holds the true gradient times its own power-of-two scale, "
@@ -476,8 +492,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         keys = self._state_keys(group)
         for device, (device_entries, device_factors) in _by_device(entries, factors).items():
             device_skip = None if skip is None else skip.to(device)
-            for e in device_entries:
-                e.state = self.state[e.param]
+            if keys:  # like the parent, an optimizer with no state records none
+                for e in device_entries:
+                    e.state = self.state[e.param]
             if self._torch_fused:
                 small = _packing.budget(device).fused_small
                 taken = [i for i, e in enumerate(device_entries) if e.param.numel() <= small]

@@ -66,6 +66,8 @@ _MAX_SCALE_EXPONENT = 126
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# The storage of each grad_dtype, shared by every optimizer of the process (``shared``).
+_shared: dict[torch.dtype, GradientStorage] = {}
 
 
 def power_of_two_scale(amax: Tensor) -> Tensor:
@@ -100,6 +102,7 @@ class _Slot:
         "accumulator",
         "handles",
         "original_grad_dtype",
+        "holders",
         "stats",
         "row",
         "grad_ref",
@@ -119,6 +122,7 @@ class _Slot:
         self.accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]
         self.handles: list[Any] = []
         self.original_grad_dtype = param.grad_dtype
+        self.holders = 0  # optimizers holding the parameter: the slot goes with the last one
         # Row ``row`` of ``stats`` is [storage scale, bound on |true gradient|] of the .grad this
         # storage wrote (p.grad == true gradient * scale); ``stats`` has a row per gradient
         # stored with it.
@@ -158,10 +162,20 @@ class _Slot:
 class _Bucket:
     """Gradients of one device waiting to be stored together, in arrival order."""
 
-    __slots__ = ("device", "capacity", "small", "task", "slots", "incoming", "previous", "elements")
+    __slots__ = (
+        "device",
+        "limits",
+        "capacity",
+        "small",
+        "task",
+        "slots",
+        "incoming",
+        "previous",
+        "elements",
+    )
 
     def __init__(self, device: torch.device) -> None:
-        limits = _packing.budget(device)
+        limits = self.limits = _packing.budget(device)
         self.device = device
         self.capacity = limits.capacity  # elements, in whole rows
         self.small = limits.bucket_small  # the largest gradient that waits in a bucket
@@ -201,14 +215,25 @@ class _Bucket:
 class GradientStorage:
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
 
-    It holds no reference to the optimizer that owns it. ``release()`` removes its hooks and gives
-    every managed parameter its true float32 gradient back.
+    The gradient storage belongs to the parameters, not to an optimizer: one storage per
+    ``grad_dtype`` serves the process (``shared``), and every mixedopt optimizer holding a
+    parameter holds it through a *holder*, the set of parameter ids it installed.
+    ``release(holder)`` lets go of them; a parameter no optimizer holds any more loses its hook
+    and gets its true float32 gradient back. The storage references no optimizer.
     """
+
+    @staticmethod
+    def shared(grad_dtype: torch.dtype) -> GradientStorage:
+        """The storage of ``grad_dtype`` (a parameter's gradients have one dtype at a time)."""
+        storage = _shared.get(grad_dtype)
+        if storage is None:
+            storage = _shared[grad_dtype] = GradientStorage(grad_dtype)
+        return storage
 
     def __init__(self, grad_dtype: torch.dtype) -> None:
         self.grad_dtype = grad_dtype
         self._slots: dict[int, _Slot] = {}
-        self._engines_checked = False
+        self._unchecked: list[_Slot] = []  # not looked up yet for a distributed engine
         self._buckets: dict[torch.device, _Bucket] = {}
         # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
         self._staging: dict[torch.device, Tensor] = {}
@@ -226,32 +251,43 @@ class GradientStorage:
         owner = _managed.get(param)
         if owner is not None and owner is not self:
             raise ValueError(
-                "a parameter is already managed by another mixedopt optimizer; a parameter can "
-                "belong to one mixedopt optimizer at a time (call remove_grad_storage() on the "
-                "other one first)"
+                f"a parameter's gradient is already stored in {owner.grad_dtype} for another "
+                f"mixedopt optimizer, and a gradient has one dtype: create this one with "
+                f"grad_dtype={owner.grad_dtype} (or call remove_grad_storage() on the "
+                "optimizers holding the parameter first)"
             )
 
-    def install(self, param: Tensor) -> None:
-        """Make ``param.grad`` land in ``grad_dtype`` (frozen parameters are left alone)."""
-        if param in self or not param.requires_grad:
+    def install(self, param: Tensor, holder: set[int]) -> None:
+        """Make ``param.grad`` land in ``grad_dtype``, held by ``holder``.
+
+        Frozen parameters are left alone. A parameter another optimizer holds already keeps its
+        storage, now held by both.
+        """
+        if id(param) in holder or not param.requires_grad:
             return
         self.check_can_manage(param)
-        slot = _Slot(param)
-        param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
-        slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
-        self._slots[id(param)] = slot
-        _managed[param] = self
+        slot = self._slots.get(id(param))
+        if slot is None:
+            slot = _Slot(param)
+            param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
+            slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
+            self._slots[id(param)] = slot
+            self._unchecked.append(slot)
+            _managed[param] = self
+        slot.holders += 1
+        holder.add(id(param))
 
     def _leave_to_engines(self) -> None:
         """Leave float32 the gradients of the parameters a DistributedDataParallel reduces.
 
         Its reducer reads each gradient right after autograd stores it and accepts only the
-        parameter's dtype. Looked up once, at the first backward with a process group.
+        parameter's dtype. Looked up once per parameter, at the first backward with a process
+        group.
         """
         if not process_group_exists():
             return
-        self._engines_checked = True
-        taken = ddp_managed(slot.param for slot in self._slots.values())
+        unchecked, self._unchecked = self._unchecked, []
+        taken = ddp_managed(slot.param for slot in unchecked if id(slot.param) in self._slots)
         for param in taken:
             slot = self._slots[id(param)]
             slot.engine_owned = True
@@ -305,13 +341,15 @@ class GradientStorage:
         The first gradient of a backward (or of a device), one left waiting by a backward that
         ended early, and a gradient too large for a bucket.
         """
-        if not self._engines_checked:
+        if self._unchecked:
             self._leave_to_engines()
             if slot.engine_owned:
                 return None
         device = incoming.device
         bucket = self._buckets.get(device)
-        if bucket is None:
+        if bucket is None or bucket.limits != _packing.budget(device):
+            if bucket is not None:  # the budget was changed (tests do): a bucket for it
+                self._store_bucket(bucket)
             bucket = self._buckets[device] = _Bucket(device)
         if slot.pending:  # waits from a backward that raised: stored first
             self._store_bucket(bucket)
@@ -510,17 +548,33 @@ class GradientStorage:
         true = grad.to(torch.float32, copy=True)
         return true if scale is None else true.div_(scale)
 
-    def release(self) -> None:
-        """Remove every hook; managed parameters get their true fp32 gradient back."""
+    def release(self, holder: set[int]) -> None:
+        """Let go of the parameters ``holder`` holds.
+
+        Those no optimizer holds any more lose their hook and get their true float32 gradient
+        back (what waits in a bucket is stored first).
+        """
         self.flush()
-        for slot in self._slots.values():
-            for handle in slot.handles:
-                handle.remove()
-            param = slot.param
-            if param.grad is not None and not param.grad.is_sparse and not slot.engine_owned:
-                param.grad = self.true_grad(param).to(param.dtype)
-            param.grad_dtype = slot.original_grad_dtype
-            if _managed.get(param) is self:
-                del _managed[param]
-        self._slots.clear()
-        self._staging.clear()
+        for key in holder:
+            slot = self._slots.get(key)
+            if slot is None:
+                continue
+            slot.holders -= 1
+            if slot.holders == 0:
+                self._uninstall(slot)
+        holder.clear()
+        if not self._slots:  # nothing left to store: give the buffers back
+            self._staging.clear()
+            self._staging_rows.clear()
+            self._buckets.clear()
+
+    def _uninstall(self, slot: _Slot) -> None:
+        for handle in slot.handles:
+            handle.remove()
+        param = slot.param
+        if param.grad is not None and not param.grad.is_sparse and not slot.engine_owned:
+            param.grad = self.true_grad(param).to(param.dtype)
+        param.grad_dtype = slot.original_grad_dtype
+        del self._slots[id(param)]
+        if _managed.get(param) is self:
+            del _managed[param]

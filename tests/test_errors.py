@@ -73,11 +73,15 @@ def test_unsupported_flags_are_refused_clearly(name, flag):
         OPTIMIZERS[name][0](small_model().parameters(), **{flag: True})
 
 
-def test_a_parameter_can_belong_to_one_mixedopt_optimizer_only():
+def test_a_second_optimizer_asking_another_grad_dtype_for_a_parameter_is_refused():
     model = small_model()
     first = mixedopt.Adam(model.parameters())
-    with pytest.raises(ValueError, match="already managed by another mixedopt optimizer"):
-        mixedopt.SGD(model.parameters())
+    with pytest.raises(
+        ValueError, match=r"already stored in torch.float16 .* grad_dtype=torch.float16"
+    ):
+        mixedopt.SGD(model.parameters(), grad_dtype=torch.bfloat16)
+    autocast_backward(model, torch.randn(4, 6))
+    assert all(p.grad.dtype == torch.float16 for p in model.parameters())
     assert first.grad_dtype == torch.float16
 
 

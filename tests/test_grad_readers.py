@@ -131,3 +131,14 @@ def test_pickled_bfloat16_optimizer_keeps_leaving_unscaling_to_gradscaler():
 
     opt = mixedopt.Adam(small_model().parameters(), grad_dtype=torch.bfloat16)
     assert copy.deepcopy(opt)._step_supports_amp_scaling is False
+
+
+def test_clipping_float16_gradients_by_a_coefficient_of_one_does_not_warn():
+    """Hugging Face's Trainer calls clip_grad_norm_(params, inf) only to log a norm."""
+    model = small_model()
+    opt = mixedopt.AdamW(model.parameters())
+    autocast_backward(model, torch.randn(8, 6))
+    clip(model, max_norm=float("inf"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.step()

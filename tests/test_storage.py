@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import weakref
 
@@ -278,3 +279,79 @@ def test_frozen_parameters_are_accepted_and_left_alone():
     assert model[0].weight.grad_dtype == torch.float32
     assert model[2].weight.grad.dtype == torch.float16
     opt.step()
+
+
+def test_two_optimizers_over_the_same_parameters_step_as_torch_optims_do():
+    """Both step on the one stored gradient, as two torch.optim optimizers would."""
+    model = small_model()
+    reference = copy.deepcopy(model)
+    first, second = mixedopt.Adam(model.parameters(), lr=0.01), mixedopt.SGD(model.parameters())
+    ref_first = torch.optim.Adam(reference.parameters(), lr=0.01)
+    ref_second = torch.optim.SGD(reference.parameters())
+    for _ in range(3):
+        autocast_backward(model, torch.randn(4, 6))
+        assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            q.grad = first.true_grad(p)
+        for opt in (first, second, ref_first, ref_second):
+            opt.step()
+        for opt in (first, second, ref_first, ref_second):
+            opt.zero_grad()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_gradient_storage_lasts_until_the_last_optimizer_holding_a_parameter_goes():
+    model = small_model()
+    first = mixedopt.Adam(model.parameters())
+    second = mixedopt.Adam(model.parameters())
+    del first
+    gc.collect()
+    autocast_backward(model, torch.randn(4, 6))
+    assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+    del second
+    gc.collect()
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+    model.zero_grad()
+    autocast_backward(model, torch.randn(4, 6))
+    assert all(p.grad.dtype == torch.float32 for p in model.parameters())
+
+
+def test_remove_grad_storage_keeps_the_storage_another_optimizer_holds():
+    model = small_model()
+    head = nn.Linear(3, 2)
+    shared = mixedopt.Adam(model.parameters())
+    removed = mixedopt.SGD([*model.parameters(), *head.parameters()])
+    removed.remove_grad_storage()
+    with torch.autocast("cpu", dtype=torch.float16):
+        head(model(torch.randn(4, 6))).float().sum().backward()
+    assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in head.parameters())  # held by none
+    assert shared.grad_dtype == torch.float16
+
+
+def test_an_optimizer_recreated_from_a_checkpoint_beside_the_old_one_continues_training():
+    """What frameworks do when they resume: the old optimizer may still be alive."""
+    model = small_model()
+    reference = copy.deepcopy(model)
+    old, ref = mixedopt.Adam(model.parameters(), lr=0.01), torch.optim.Adam(
+        reference.parameters(), lr=0.01
+    )
+    x = torch.randn(4, 6)
+
+    def train(opt, ref_opt):
+        autocast_backward(model, x)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            q.grad = opt.true_grad(p)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+    train(old, ref)
+    new = mixedopt.Adam(model.parameters(), lr=0.01)
+    new.load_state_dict(old.state_dict())
+    train(new, ref)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+        torch.testing.assert_close(new.state[p]["exp_avg"], ref.state[q]["exp_avg"])
