@@ -183,6 +183,56 @@ def view_in(buffer: Tensor, offset: int, like: Tensor, strides: tuple[int, ...])
     return buffer.as_strided(like.shape, strides, buffer.storage_offset() + offset)
 
 
+class ViewRuns:
+    """Views of many tensors in one buffer, made with an operation per run rather than per tensor.
+
+    Tensors of one shape and strides at evenly spaced offsets (the same parameter of every
+    block of a model, say) form a run: one ``as_strided`` view stacks them and ``unbind`` splits
+    it, both in C++. A tensor alone is viewed on its own.
+    """
+
+    def __init__(
+        self,
+        shapes: Sequence[torch.Size],
+        strides: Sequence[tuple[int, ...]],
+        offsets: Sequence[int],
+    ) -> None:
+        self.count = len(offsets)
+        members: dict[tuple[torch.Size, tuple[int, ...]], list[tuple[int, int]]] = {}
+        for i, key in enumerate(zip(shapes, strides, strict=True)):
+            members.setdefault(key, []).append((offsets[i], i))
+        # (positions, shape, strides, first offset, spacing) of each run.
+        self.runs: list[tuple[list[int], torch.Size, tuple[int, ...], int, int]] = []
+        for (shape, stride), found in members.items():
+            run = [found[0]]
+            for offset, i in found[1:]:
+                spacing = run[1][0] - run[0][0] if len(run) > 1 else offset - run[0][0]
+                if offset - run[-1][0] != spacing:
+                    self._add(run, shape, stride)
+                    run = []
+                run.append((offset, i))
+            self._add(run, shape, stride)
+
+    def _add(self, run: list[tuple[int, int]], shape: torch.Size, strides: tuple[int, ...]) -> None:
+        spacing = run[1][0] - run[0][0] if len(run) > 1 else 0
+        self.runs.append(([i for _, i in run], shape, strides, run[0][0], spacing))
+
+    def views(self, buffer: Tensor) -> list[Tensor]:
+        """The tensors' views of ``buffer``, in the order they were given."""
+        found: list[Any] = [None] * self.count
+        start = buffer.storage_offset()
+        for positions, shape, strides, offset, spacing in self.runs:
+            if len(positions) == 1:
+                found[positions[0]] = buffer.as_strided(shape, strides, start + offset)
+                continue
+            stacked = buffer.as_strided(
+                (len(positions), *shape), (spacing, *strides), start + offset
+            )
+            for position, view in zip(positions, stacked.unbind(0), strict=True):
+                found[position] = view
+        return found
+
+
 class Entry:
     """A parameter with a gradient, as ``step()`` sees it (one is made per parameter per step)."""
 

@@ -54,7 +54,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _packing
 from ._distributed import ddp_managed, process_group_exists
-from ._packing import ROW, IndexCache, LayoutCache, RowLayout, dense_strides, rows_for, view_in
+from ._packing import (
+    ROW,
+    IndexCache,
+    LayoutCache,
+    RowLayout,
+    ViewRuns,
+    dense_strides,
+    rows_for,
+)
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -112,8 +120,6 @@ class _Slot:
         "layout",
         "shape",
         "strides",
-        "staging_key",
-        "staging_view",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -136,8 +142,6 @@ class _Slot:
         self.layout: tuple[int, ...] = ()
         self.shape = param.shape
         self.strides: tuple[int, ...] = ()
-        self.staging_key: tuple[int, int] | None = None  # (staging generation, offset) of ...
-        self.staging_view: Tensor | None = None  # ... its view of the staging buffer
 
     def owns(self, grad: Tensor | None) -> bool:
         return grad is not None and self.grad_ref is not None and self.grad_ref() is grad
@@ -148,7 +152,6 @@ class _Slot:
         if layout != self.layout:  # first use, or new memory (``p.data = ...``, channels_last)
             self.layout, self.shape = layout, self.param.shape
             self.strides = dense_strides(self.param)
-            self.staging_key = None
         return self.strides
 
     def record(self, grad: Tensor, stats: Tensor, row: int, version: int) -> None:
@@ -212,6 +215,18 @@ class _Bucket:
             slots[i].pending = True
 
 
+class _BucketPlan:
+    """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
+
+    __slots__ = ("layout", "runs", "generation", "staging_views")
+
+    def __init__(self, layout: RowLayout, runs: ViewRuns) -> None:
+        self.layout = layout
+        self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
+        self.generation = -1  # of the staging buffer the views below are of
+        self.staging_views: list[Tensor] = []
+
+
 class GradientStorage:
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
 
@@ -241,6 +256,7 @@ class GradientStorage:
         # Per device: the layout last written into the staging buffer, and its rows.
         self._staging_rows: dict[torch.device, tuple[RowLayout, Tensor]] = {}
         self._layouts = LayoutCache()
+        self._plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan] = {}
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
 
@@ -415,17 +431,13 @@ class GradientStorage:
         if not bucket.slots:
             return
         slots, device = bucket.slots, bucket.device
-        layout = self._layouts.get([slot.param.numel() for slot in slots], device)
+        plan = self._plan(slots, device)
+        layout = plan.layout
         staging, rows = self._staging_for(device, layout)
-        generation = self._staging_generation
-        views = []
-        for slot, offset in zip(slots, layout.offsets, strict=True):
-            key = (generation, offset)
-            if slot.staging_key != key or slot.layout != slot.param.stride():
-                strides = slot.grad_strides()
-                slot.staging_view = view_in(staging, offset, slot.param, strides)
-                slot.staging_key = key
-            views.append(slot.staging_view)
+        if plan.generation != self._staging_generation:
+            plan.staging_views = plan.runs.views(staging)
+            plan.generation = self._staging_generation
+        views = plan.staging_views
         torch._foreach_copy_(views, bucket.incoming)
         added = [i for i, previous in enumerate(bucket.previous) if previous is not None]
         if added:
@@ -441,16 +453,27 @@ class GradientStorage:
         torch.mul(rows, layout.per_row(scales), out=stored.view(layout.rows, ROW))
         stats = torch.stack([scales, amax], dim=1)
         version = stored._version
-        start = stored.storage_offset()
-        as_strided, reference = stored.as_strided, weakref.ref
+        reference = weakref.ref
         # One view of ``stored`` per parameter, in its layout (the loop runs per parameter: its
-        # body is kept to what a view and the bookkeeping need).
-        for row, (slot, offset) in enumerate(zip(slots, layout.offsets, strict=True)):
-            grad = as_strided(slot.shape, slot.strides, start + offset)
+        # body is kept to the bookkeeping).
+        for row, (slot, grad) in enumerate(zip(slots, plan.runs.views(stored), strict=True)):
             slot.param.grad = grad
             slot.grad_ref = reference(grad)
             slot.grad_version, slot.stats, slot.row, slot.pending = version, stats, row, False
         bucket.clear()
+
+    def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
+        """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
+        key = (device, tuple(map(id, slots)))
+        plan = self._plans.get(key)
+        if plan is None or any(slot.layout != slot.param.stride() for slot in slots):
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            strides = [slot.grad_strides() for slot in slots]
+            layout = self._layouts.get([slot.param.numel() for slot in slots], device)
+            runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
+            plan = self._plans[key] = _BucketPlan(layout, runs)
+        return plan
 
     def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:
         """The staging buffer of ``device``, and its rows for ``layout``, zero where they pad.
@@ -565,6 +588,7 @@ class GradientStorage:
         holder.clear()
         if not self._slots:  # nothing left to store: give the buffers back
             self._staging.clear()
+            self._plans.clear()
             self._staging_rows.clear()
             self._buckets.clear()
 

@@ -164,3 +164,34 @@ def test_backward_holds_16_bit_gradients_and_a_bounded_float32_transient():
     elements = COUNT * NUMEL
     assert backward_peak("torch") >= 3.5 * elements  # the measurement sees float32 gradients
     assert backward_peak("mixedopt") <= 2 * elements + 3 * 4 * mixedopt._packing.CPU_CAPACITY
+
+
+@given(
+    kinds=st.lists(
+        st.sampled_from([(4, 6), (6,), (2, 3, 2), (0, 3), (1,)]), min_size=1, max_size=9
+    ),
+    gaps=st.lists(st.integers(0, 3), min_size=9, max_size=9),
+    transposed=st.booleans(),
+)
+def test_views_made_per_run_are_those_made_one_by_one(kinds, gaps, transposed):
+    """``ViewRuns`` (stacked views, unbound) against one ``as_strided`` per tensor."""
+    shapes = [torch.Size(k) for k in kinds]
+    strides = [
+        tuple(reversed(torch.empty(tuple(reversed(s))).stride()))
+        if transposed and len(s) == 2
+        else torch.empty(s).stride()
+        for s in shapes
+    ]
+    offsets, at = [], 3
+    for shape, gap in zip(shapes, gaps, strict=False):
+        offsets.append(at)
+        at += shape.numel() + gap  # uneven spacing splits runs
+    buffer = torch.arange(at + 8, dtype=torch.float16)[2:]  # a buffer with an offset of its own
+    runs = mixedopt._packing.ViewRuns(shapes, strides, offsets)
+    for view, shape, stride, offset in zip(
+        runs.views(buffer), shapes, strides, offsets, strict=True
+    ):
+        expected = buffer.as_strided(shape, stride, buffer.storage_offset() + offset)
+        assert (view.shape, view.stride()) == (expected.shape, expected.stride())
+        assert view.storage_offset() == expected.storage_offset()
+        assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

@@ -334,8 +334,9 @@ def test_an_optimizer_recreated_from_a_checkpoint_beside_the_old_one_continues_t
     """What frameworks do when they resume: the old optimizer may still be alive."""
     model = small_model()
     reference = copy.deepcopy(model)
-    old, ref = mixedopt.Adam(model.parameters(), lr=0.01), torch.optim.Adam(
-        reference.parameters(), lr=0.01
+    old, ref = (
+        mixedopt.Adam(model.parameters(), lr=0.01),
+        torch.optim.Adam(reference.parameters(), lr=0.01),
     )
     x = torch.randn(4, 6)
 
