@@ -18,6 +18,7 @@ import sys
 import warnings
 import weakref
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -40,7 +41,8 @@ def _user_stacklevel() -> int:
 
     ``step()`` is reached through torch's wrappers (hooks, no_grad, torch.compiler.disable).
     """
-    level, frame = 1, sys._getframe(1)
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         level, frame = level + 1, frame.f_back
     return level
@@ -103,6 +105,9 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             Reading it after fused steps on an accelerator synchronises with the device.
     """
 
+    # Whether GradScaler hands step() its scale and found_inf (set per instance, see _set_up).
+    _step_supports_amp_scaling: bool
+
     def __init__(
         self,
         params: Any,
@@ -147,7 +152,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._grad_storage = GradientStorage.shared(grad_dtype)
         self._held_params: set[int] = set()  # ids of the parameters this optimizer holds
         # The storage does not reference the optimizer: its parameters are let go when it dies.
-        self._release_storage = weakref.finalize(
+        self._release_storage: weakref.finalize = weakref.finalize(
             self, self._grad_storage.release, self._held_params
         )
 
