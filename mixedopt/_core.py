@@ -465,7 +465,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._update(group, params, grads, states, steps)
 
         for device_entries, device_factors in _by_device(entries, factors).values():
-            default_update(update, keys, device_entries, device_factors, self._workspace)
+            default_update(
+                update,
+                keys,
+                device_entries,
+                device_factors,
+                self._workspace,
+                self._grad_storage.stored_bucket,
+            )
         for e in entries:
             e.state.update(e.created)
 
@@ -534,7 +541,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
             self._update(group, params, grads, states, steps, found_inf=found_inf)
 
-        default_update(update, self._state_keys(group), chosen, factors, self._workspace)
+        default_update(
+            update,
+            self._state_keys(group),
+            chosen,
+            factors,
+            self._workspace,
+            self._grad_storage.stored_bucket,
+        )
 
     def _compiled_update(
         self,

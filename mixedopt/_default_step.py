@@ -8,6 +8,11 @@ dense in one layout. A batch's gradients are upcast into a float32 buffer with o
 ``_foreach_copy_`` and unscaled with one multiplication (each gradient's factor, per row of the
 buffer), and the batch goes to torch's ``rmsprop()``, ``adam()`` or ``sgd()`` as lists, whole
 parameters as they are.
+
+A bucket that backward stored (``_storage.py``), whose gradients all belong to this step's
+entries untouched, is a batch of its own taken faster: its 16-bit buffer of rows is upcast and
+unscaled with one multiplication into a float32 buffer of the same layout, without finding each
+gradient; ``batches`` is the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -20,7 +25,10 @@ from torch import Tensor
 
 from ._distributed import local
 from ._packing import (
+    ROW,
     Entry,
+    RowLayout,
+    ViewRuns,
     Workspace,
     budget,
     dense_order,
@@ -29,6 +37,8 @@ from ._packing import (
 
 # The parent's functional update: (params, grads, states by key, step counters).
 Update = Callable[[list[Tensor], list[Tensor], dict[str, list[Any]], list[Tensor]], None]
+# GradientStorage.stored_bucket: a bucket's 16-bit rows, layout and views, from its stats table.
+StoredBucket = Callable[[Tensor], tuple[Tensor, RowLayout, ViewRuns] | None]
 
 
 class Batch:
@@ -154,15 +164,66 @@ def _upcast(workspace: Workspace, batch: Batch, factors: Tensor) -> list[Tensor]
     return views
 
 
+def _whole_buckets(
+    entries: list[Entry], stored_bucket: StoredBucket, device: torch.device
+) -> tuple[list[tuple[list[int], Tensor, RowLayout, ViewRuns]], list[int]]:
+    """The buckets of ``entries`` that can be upcast from their rows, and the other entries.
+
+    A bucket qualifies when every gradient it stored is one of ``entries``, untouched since
+    backward stored it, with state to update. Each comes as ``(positions in row order, 16-bit
+    rows, layout, views)``; the others as their positions.
+    """
+    by_bucket: dict[int, list[int]] = {}
+    for i, e in enumerate(entries):
+        if e.stats is not None and e.amax_current and not e.created and not e.sharded:
+            by_bucket.setdefault(id(e.stats), []).append(i)
+    whole, taken = [], set()
+    for positions in by_bucket.values():
+        stats = entries[positions[0]].stats
+        assert stats is not None
+        found = stored_bucket(stats) if len(positions) == stats.shape[0] else None
+        if found is None or found[0].device != device:
+            continue
+        ordered = [0] * len(positions)
+        for i in positions:
+            ordered[entries[i].row] = i
+        whole.append((ordered, *found))
+        taken.update(positions)
+    return whole, [i for i in range(len(entries)) if i not in taken]
+
+
 def default_update(
     update: Update,
     keys: Sequence[str],
     entries: list[Entry],
     factors: Tensor,
     workspace: Workspace,
+    stored_bucket: StoredBucket | None = None,
 ) -> None:
-    """Update ``entries`` (all on one device; ``factors`` one each) on the default path."""
-    for batch in batches(entries, keys, budget(factors.device).capacity):
+    """Update ``entries`` (all on one device; ``factors`` one each) on the default path.
+
+    With ``stored_bucket``, the gradients of a bucket backward stored are upcast straight from
+    its 16-bit buffer with one multiplication, in its layout (a batch of its own); the others
+    are taken in batches (``batches``), the reference path.
+    """
+    device = factors.device
+    rest = list(range(len(entries)))
+    if stored_bucket is not None:
+        whole, rest = _whole_buckets(entries, stored_bucket, device)
+        for ordered, stored, layout, runs in whole:
+            chosen = [entries[i] for i in ordered]
+            rows, grads = workspace.run_views("grad", torch.float32, layout, runs, device)
+            row_factors = layout.per_row(factors[workspace.index(ordered, device)])
+            torch.mul(stored.view(layout.rows, ROW), row_factors, out=rows)
+            states = {key: [e.state.get(key) for e in chosen] for key in keys}
+            steps = [step for e in chosen if (step := e.state.get("step")) is not None]
+            update([e.param for e in chosen], grads, states, steps)
+        if not rest:
+            return
+        if len(rest) != len(entries):
+            entries = [entries[i] for i in rest]
+            factors = factors[workspace.index(rest, device)]
+    for batch in batches(entries, keys, budget(device).capacity):
         grads = _upcast(workspace, batch, factors[batch.first : batch.first + len(batch.params)])
         update(batch.params, grads, dict(zip(keys, batch.states, strict=True)), batch.steps)
         batch.copy_created()

@@ -300,6 +300,8 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, str, torch.dtype], Tensor] = {}
         self._views: dict[tuple[Any, ...], Tensor] = {}
+        # (buffer key, id(runs)) -> (runs, their views of the buffer)
+        self._run_views: dict[tuple[Any, ...], tuple[ViewRuns, list[Tensor]]] = {}
         self._layouts = LayoutCache()
         self._indices = IndexCache()
         # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
@@ -309,6 +311,7 @@ class Workspace:
         """Forget every buffer, view and alias (the state was replaced: ``load_state_dict``)."""
         self._buffers.clear()
         self._views.clear()
+        self._run_views.clear()
         self.aliases.clear()
 
     def layout(self, numels: Sequence[int], device: torch.device) -> RowLayout:
@@ -325,7 +328,21 @@ class Workspace:
         if buffer is None or buffer.numel() < elements:
             buffer = self._buffers[key] = torch.zeros(elements, dtype=dtype, device=device)
             self._views = {k: v for k, v in self._views.items() if k[0] != key}
+            self._run_views = {k: v for k, v in self._run_views.items() if k[0] != key}
         return buffer
+
+    def run_views(
+        self, role: str, dtype: torch.dtype, layout: RowLayout, runs: ViewRuns, device: torch.device
+    ) -> tuple[Tensor, list[Tensor]]:
+        """The ``(rows, ROW)`` buffer of ``role`` for ``layout``, and the views ``runs`` make."""
+        buffer = self.buffer(role, dtype, device, layout.elements)
+        key = ((device, role, dtype), id(runs))
+        found = self._run_views.get(key)
+        if found is None or found[0] is not runs:
+            if len(self._run_views) >= 64:
+                self._run_views.clear()
+            found = self._run_views[key] = (runs, runs.views(buffer))
+        return buffer[: layout.elements].view(layout.rows, ROW), found[1]
 
     def rows(
         self, role: str, dtype: torch.dtype, layout: RowLayout, params: Sequence[Tensor]

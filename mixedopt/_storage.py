@@ -257,6 +257,8 @@ class GradientStorage:
         self._staging_rows: dict[torch.device, tuple[RowLayout, Tensor]] = {}
         self._layouts = LayoutCache()
         self._plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan] = {}
+        # id(stats) -> (stats, 16-bit buffer, plan) of the buckets stored, both weakly held.
+        self._stored: dict[int, tuple[Any, Any, _BucketPlan]] = {}
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
 
@@ -452,6 +454,7 @@ class GradientStorage:
         # Scale in float32 and round to grad_dtype: one pass for the whole bucket.
         torch.mul(rows, layout.per_row(scales), out=stored.view(layout.rows, ROW))
         stats = torch.stack([scales, amax], dim=1)
+        self._remember(stats, stored, plan)
         version = stored._version
         reference = weakref.ref
         # One view of ``stored`` per parameter, in its layout (the loop runs per parameter: its
@@ -461,6 +464,25 @@ class GradientStorage:
             slot.grad_ref = reference(grad)
             slot.grad_version, slot.stats, slot.row, slot.pending = version, stats, row, False
         bucket.clear()
+
+    def _remember(self, stats: Tensor, stored: Tensor, plan: _BucketPlan) -> None:
+        """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
+        found = self._stored
+        for key in [k for k, (_, buffer, _) in found.items() if buffer() is None]:
+            del found[key]
+        found[id(stats)] = (weakref.ref(stats), weakref.ref(stored), plan)
+
+    def stored_bucket(self, stats: Tensor) -> tuple[Tensor, RowLayout, ViewRuns] | None:
+        """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
+
+        ``(buffer, layout, views)``: row ``i`` of ``stats`` is the ``i``-th view; ``None`` once
+        the gradients are gone.
+        """
+        found = self._stored.get(id(stats))
+        if found is None or found[0]() is not stats:
+            return None
+        stored = found[1]()
+        return None if stored is None else (stored, found[2].layout, found[2].runs)
 
     def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
         """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
@@ -589,6 +611,7 @@ class GradientStorage:
         if not self._slots:  # nothing left to store: give the buffers back
             self._staging.clear()
             self._plans.clear()
+            self._stored.clear()
             self._staging_rows.clear()
             self._buckets.clear()
 

@@ -6,12 +6,13 @@ import os
 
 import pytest
 import torch
-from helpers import SHAPES, peak_in_child
+from helpers import OPTIMIZERS, SHAPES, peak_in_child
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
+import mixedopt._default_step
 import mixedopt._packing
 
 
@@ -195,3 +196,52 @@ def test_views_made_per_run_are_those_made_one_by_one(kinds, gaps, transposed):
         assert (view.shape, view.stride()) == (expected.shape, expected.stride())
         assert view.storage_offset() == expected.storage_offset()
         assert view.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
+
+
+def train_twice(name, kwargs, shapes, seed, steps, backwards):
+    """Weights and state after ``steps`` of one optimizer that upcasts whole buckets straight
+    from their 16-bit rows and of one that takes every gradient in batches (the reference);
+    and how many buckets took the first way.
+    """
+    results, whole_buckets = [], []
+    real = mixedopt._default_step._whole_buckets
+    for straight in (True, False):
+        counted = []
+
+        def counting(entries, stored_bucket, device, straight=straight, counted=counted):
+            whole, rest = real(entries, stored_bucket, device)
+            if not straight:
+                return [], list(range(len(entries)))
+            counted.append(len(whole))
+            return whole, rest
+
+        params = params_of(shapes, seed)
+        opt = OPTIMIZERS[name][0](params, **kwargs)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mixedopt._default_step, "_whole_buckets", counting)
+            for step in range(steps):
+                for b in range(backwards):
+                    backward(params, [float(step - b)] * len(params), seed + step + b)
+                opt.step()
+                opt.zero_grad()
+        results.append(([p.detach() for p in params], [dict(opt.state[p]) for p in params]))
+        whole_buckets.append(sum(counted))
+    return results, whole_buckets[0]
+
+
+@given(
+    name=st.sampled_from(sorted(OPTIMIZERS)),
+    shapes=SHAPES,
+    backwards=st.integers(1, 2),
+    seed=st.integers(0, 2**16),
+)
+def test_buckets_upcast_from_their_rows_update_as_batches_do(name, shapes, backwards, seed):
+    kwargs = {"momentum": 0.9} if name in ("SGD", "RMSprop") else {}
+    (fast, reference), whole = train_twice(name, kwargs, shapes, seed, 3, backwards)
+    assert whole >= 2  # steps 2 and 3 (the first creates the state on the reference path)
+    (weights, states), (ref_weights, ref_states) = fast, reference
+    for p, q in zip(weights, ref_weights, strict=True):
+        assert torch.equal(p, q)
+    for state, ref_state in zip(states, ref_states, strict=True):
+        for key, value in ref_state.items():
+            assert torch.equal(state[key], value), key
