@@ -1,10 +1,22 @@
 """mixedopt: torch.optim optimizers with float32 master weights and 16-bit gradients."""
 
-from ._core import MixedPrecisionOptimizer
-from .adam import Adam
-from .adamw import AdamW
-from .rmsprop import RMSprop
-from .sgd import SGD
+import warnings
+
+# Without numpy installed, torch's own import warns "Failed to initialize NumPy: No module named
+# 'numpy'" (from torch/_subclasses/functional_tensor.py). mixedopt never converts tensors to
+# numpy, which is all torch wants numpy for, and the README's set-up installs torch alone:
+# `python -m mixedopt` and `python -m mixedopt.bench` import this package, and torch with it,
+# before their own code runs, so this is where that one message is kept from their users. Only
+# that message, and only when torch is first imported here.
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
+    import torch  # noqa: F401
+
+from ._core import MixedPrecisionOptimizer  # noqa: E402
+from .adam import Adam  # noqa: E402
+from .adamw import AdamW  # noqa: E402
+from .rmsprop import RMSprop  # noqa: E402
+from .sgd import SGD  # noqa: E402
 
 __all__ = ["SGD", "Adam", "AdamW", "MixedPrecisionOptimizer", "RMSprop"]
 __version__ = "0.1.0"

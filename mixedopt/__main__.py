@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import statistics
 import time
 from collections.abc import Sequence
@@ -79,29 +80,89 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    """Read the command line."""
+DEVICES = ("cpu", "cuda")
+
+
+def _at_least_one(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    if not 0 <= value < 2**64:  # what torch.manual_seed takes
+        raise argparse.ArgumentTypeError(f"must be from 0 to 2**64 - 1, got {value}")
+    return value
+
+
+def _plural(count: int, word: str) -> str:
+    return f"{count} {word}" if count == 1 else f"{count} {word}s"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    """The command line's parser: every option has a help text and checks its value."""
     parser = argparse.ArgumentParser(
         prog="python -m mixedopt",
         description="Train a small Conv2d network under autocast(float16) with "
         "torch.optim.RMSprop and with mixedopt.RMSprop, side by side.",
     )
-    parser.add_argument("--steps", type=int, default=10, help="optimizer steps (default 10)")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per batch (default 32)")
-    parser.add_argument("--image-size", type=int, default=16, help="image side (default 16)")
-    parser.add_argument("--channels", type=int, default=64, help="conv channels (default 64)")
-    parser.add_argument("--lr", type=float, default=1e-3, help="learning rate (default 1e-3)")
+    parser.add_argument(
+        "--steps", type=_at_least_one, default=10, help="optimizer steps, 1 or more (default 10)"
+    )
+    parser.add_argument(
+        "--batch-size", type=_at_least_one, default=32, help="images per batch (default 32)"
+    )
+    parser.add_argument(
+        "--image-size", type=_at_least_one, default=16, help="image side in pixels (default 16)"
+    )
+    parser.add_argument(
+        "--channels", type=_at_least_one, default=64, help="conv channels (default 64)"
+    )
+    parser.add_argument(
+        "--lr", type=_positive_float, default=1e-3, help="learning rate, above 0 (default 1e-3)"
+    )
     parser.add_argument(
         "--device",
+        choices=DEVICES,
         default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda (default: cuda when available)",
+        help="where to train: cpu or cuda (default: cuda when available)",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed",
+        type=_seed,
+        default=0,
+        help="random seed of the initial weights and the data (default 0)",
+    )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """Read the command line; a bad value is an argparse error (exit status 2)."""
+    parser = make_parser()
     args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be at least 1")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda was asked for, but CUDA is not available")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            f"argument --device: cuda was asked for, but CUDA is not available here "
+            f"(torch {torch.__version__}); use --device cpu"
+        )
     return args
 
 
@@ -145,14 +206,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     print(
         f"Conv2d(3, {args.channels}, 3) network, autocast(float16), RMSprop(lr={args.lr}) + "
-        f"CosineAnnealingLR, {args.steps} steps, batch {args.batch_size} x 3 x "
+        f"CosineAnnealingLR, {_plural(args.steps, 'step')}, batch {args.batch_size} x 3 x "
         f"{args.image_size} x {args.image_size}, on {device}"
     )
     header = ("", "torch.optim.RMSprop", "mixedopt.RMSprop")
     widths = [max(len(row[i]) for row in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:
         print(f"{row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}")
-    print(f"largest weight difference after {args.steps} steps: {difference:.3e}")
+    print(f"largest weight difference after {_plural(args.steps, 'step')}: {difference:.3e}")
     return 0
 
 

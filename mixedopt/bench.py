@@ -18,10 +18,15 @@ error as the reason; warnings raised by its steps go to the note column.
 
 Columns
     * median step time over ``--repeat`` steps that follow the first step (which creates the
-      state and is timed on its own; ``mixedopt-fused`` compiles in its second step, whose time
-      is shown beside it as ``compile``) and
-      ``--warmup`` more steps (also timed, into the JSON file; a warm-up step far slower than
-      the first step and the median, a late recompilation say, is named in the note column);
+      state and is timed on its own) and ``--warmup`` more steps (also timed, into the JSON
+      file; a warm-up step far slower than the first step and the median, a late recompilation
+      say, is named in the note column). Where ``torch.compile`` compiled a graph during the
+      first step or a warm-up step, that step's time is shown beside the first step's as
+      ``compile`` (``compiles`` when it was the first step itself). ``mixedopt-fused``
+      compiles in its second step, as its first one runs the default path to create the state
+      (every optimizer here has state: SGD runs with momentum 0.9), and only for RMSprop or
+      where ``--numel`` is above 32Ki elements on a CPU (1Mi on an accelerator): Adam, AdamW
+      and SGD hand smaller parameters to torch's own fused update, which compiles nothing;
       the ratio to the ``torch-foreach`` row of the same optimizer;
     * persistent bytes per parameter: the ``nbytes`` of the weights, the gradients and every
       tensor in the optimizer state (0-dim step counters included), over the number of elements;
@@ -126,7 +131,10 @@ class Row:
     available: bool = True
     reason: str | None = None
     first_step_ms: float | None = None
-    first_step_compile_ms: float | None = None  # mixedopt-fused only: step 2, which compiles
+    # The first of the first and warm-up steps in which torch.compile compiled (1 = the first
+    # step), and its time: mixedopt-fused only, and only where it compiles.
+    compile_step: int | None = None
+    first_step_compile_ms: float | None = None
     median_ms: float | None = None
     step_ms: list[float] = field(default_factory=list)
     warmup_ms: list[float] = field(default_factory=list)
@@ -230,6 +238,20 @@ def full_state_tensors(params: list[nn.Parameter], opt: torch.optim.Optimizer) -
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _count(n: int, thing: str) -> str:
+    """``1 timed step``, ``2 timed steps``."""
+    return f"{n} {thing}" if n == 1 else f"{n} {thing}s"
+
+
+def _graphs_compiled() -> int | None:
+    """Graphs ``torch.compile`` has compiled in this process so far (None: torch does not say)."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return None
+    return int(counters["stats"]["unique_graphs"])
 
 
 def _timed(fn: Callable[[], Any], device: torch.device) -> float:
@@ -354,40 +376,54 @@ class _Running:
     def __init__(self, row: Row, params: list[nn.Parameter], opt: torch.optim.Optimizer) -> None:
         self.row, self.params, self.opt = row, params, opt
         self.caught: list[warnings.WarningMessage] = []
+        self.compiled: list[bool] = []  # per step so far: whether torch.compile compiled in it
 
     def timed_step(self, device: torch.device) -> float:
         """Milliseconds of one ``step()``, its warnings kept for the note column."""
+        before = _graphs_compiled()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             ms = 1e3 * _timed(self.opt.step, device)
+        after = _graphs_compiled()
+        self.compiled.append(before is not None and after is not None and after > before)
         self.caught += caught
         return ms
 
 
-def run_optimizer(args: argparse.Namespace, optimizer: str, variants: Sequence[str]) -> list[Row]:
+def run_optimizer(
+    args: argparse.Namespace,
+    optimizer: str,
+    variants: Sequence[str],
+    progress: Callable[[str], None] | None = None,
+) -> list[Row]:
     """Time every variant of one optimizer in this process (and its CUDA peak, on CUDA).
 
-    Each variant takes its first and warm-up steps; then the timed steps go round the variants,
-    one step each per round, so that a change in the machine's speed while they run (other load,
-    clock changes) reaches every variant alike instead of favouring the one timed first.
+    Each variant is built and takes its first and warm-up steps, one variant after the other;
+    then the timed steps go round the variants, one step each per round, so that a change in the
+    machine's speed while they run (other load, clock changes) reaches every variant alike
+    instead of favouring the one timed first. ``progress`` is told of each of these
+    ``len(variants) + 1`` runs as it begins.
     """
     device = torch.device(args.device)
+    tell = progress or (lambda label: None)
     rows = [Row(optimizer, variant) for variant in variants]
     running: list[_Running] = []
     try:
         for row in rows:
+            tell(f"{optimizer}, {VARIANTS[row.variant]}: set-up, first and warm-up steps")
             try:
                 params, opt = build(optimizer, row.variant, args.numel, args.params, device)
             except Unavailable as why:
                 row.available, row.reason = False, str(why)
                 continue
-            running.append(_Running(row, params, opt))
-        for each in list(running):
+            each = _Running(row, params, opt)
+            running.append(each)
             try:
-                each.row.first_step_ms = each.timed_step(device)
-                each.row.warmup_ms = [each.timed_step(device) for _ in range(args.warmup)]
+                row.first_step_ms = each.timed_step(device)
+                row.warmup_ms = [each.timed_step(device) for _ in range(args.warmup)]
             except Exception as error:  # a variant that builds but cannot step: shown as such
                 _drop_after_failed_step(running, each, error)
+        tell(f"{optimizer}: {_count(args.repeat, 'timed step')} of each variant, in turn")
         for _ in range(args.repeat):
             for each in list(running):
                 try:
@@ -422,10 +458,13 @@ def _finish(args: argparse.Namespace, each: _Running, device: torch.device) -> N
     # Deprecation notices come from torch's own imports (torch.compile's, say): not the row's.
     found = [w for w in each.caught if not issubclass(w.category, _QUIET_WARNINGS)]
     row.warnings = list(dict.fromkeys(_first_line(w.message) for w in found))
-    if row.variant == "mixedopt-fused" and row.warmup_ms:
-        # mixedopt's first step runs the default path (it creates the state as the parent
-        # does); the second is the first compiled one, and pays for the compilation.
-        row.first_step_compile_ms = row.warmup_ms[0]
+    # Which of the first and warm-up steps compiled, if any: mixedopt-fused's second one where
+    # its kernels update a parameter (its first step creates the state on the default path).
+    untimed = [row.first_step_ms, *row.warmup_ms]
+    compiled = [i for i, done in enumerate(each.compiled[: len(untimed)]) if done]
+    if compiled:
+        row.compile_step = compiled[0] + 1
+        row.first_step_compile_ms = untimed[compiled[0]]
     row.median_ms = statistics.median(row.step_ms)
     elements = args.numel * args.params
     row.persistent_bytes_per_param = persistent_bytes(params, opt) / elements
@@ -450,21 +489,30 @@ ITERATION_VARIANTS = {
 
 
 def iteration_benchmark(
-    device: torch.device, width: int, layers: int, batch: int, repeat: int, warmup: int
+    device: torch.device,
+    width: int,
+    layers: int,
+    batch: int,
+    repeat: int,
+    warmup: int,
+    progress: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Median time of a whole training iteration of an MLP, per optimizer.
 
     An iteration is what a training loop does: forward under ``autocast(float16)``, backward
     (where mixedopt's storage hooks run), ``step()`` and ``zero_grad()``. Every variant starts
     from the same weights and sees the same batch; their timed iterations take turns, as the
-    steps of the main table do.
+    steps of the main table do. ``progress`` is told of each variant's warm-up and of the timed
+    iterations (``len(ITERATION_VARIANTS) + 1`` runs) as they begin.
     """
+    tell = progress or (lambda label: None)
     torch.manual_seed(0)
     template = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
     x = torch.randn(batch, width, device=device)
     iterations: dict[str, Callable[[], None]] = {}
     optimizers = []
     for name, make in ITERATION_VARIANTS.items():
+        tell(f"training iteration, {name}: warm-up")
         model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
         model.load_state_dict(template.state_dict())
         opt = make(model.parameters())
@@ -477,9 +525,12 @@ def iteration_benchmark(
             opt.step()
             opt.zero_grad()
 
-        for _ in range(warmup + 2):  # mixedopt-fused compiles in its second step
+        # Two more: mixedopt's fused step compiles in its second step, where its kernels update
+        # a parameter (a weight of more than 32Ki elements on a CPU, 1Mi on an accelerator).
+        for _ in range(warmup + 2):
             iteration()
         iterations[name] = iteration
+    tell(f"training iteration: {_count(repeat, 'timed iteration')} of each optimizer, in turn")
     times: dict[str, list[float]] = {name: [] for name in iterations}
     for _ in range(repeat):
         for name, iteration in iterations.items():
@@ -520,7 +571,9 @@ def _table_row(row: Row) -> list[str]:
     if not row.available:
         return [row.optimizer, label, *["–"] * 7, f"unavailable: {row.reason}"]
     first = _fmt(row.first_step_ms, ".1f")
-    if row.first_step_compile_ms is not None:
+    if row.compile_step == 1:
+        first += "; compiles"
+    elif row.first_step_compile_ms is not None:
         first += f"; compile {row.first_step_compile_ms:.0f}"
     if row.peak_extra_bytes is not None:
         peak = f"{row.peak_extra_bytes / 2**20:.1f}"
@@ -547,10 +600,11 @@ def _table_row(row: Row) -> list[str]:
 def _note(row: Row) -> str:
     notes = [row.peak_error] if row.peak_error else []
     notes += [f"warning: {text}" for text in row.warnings]
-    # The compiling step of mixedopt-fused has its own column.
-    skipped = 1 if row.first_step_compile_ms is not None else 0
-    if row.warmup_ms[skipped:] and row.first_step_ms is not None and row.median_ms is not None:
-        slowest = max(range(skipped, len(row.warmup_ms)), key=row.warmup_ms.__getitem__)
+    # The step that compiled has its own column.
+    compiling = None if row.compile_step is None else row.compile_step - 2  # in warmup_ms
+    others = [i for i in range(len(row.warmup_ms)) if i != compiling]
+    if others and row.first_step_ms is not None and row.median_ms is not None:
+        slowest = max(others, key=row.warmup_ms.__getitem__)
         ms = row.warmup_ms[slowest]
         # A warm-up step far slower than the first and the median: a (re)compilation, say.
         if ms > row.first_step_ms and ms > 5 * row.median_ms and ms > row.median_ms + 20:
@@ -740,23 +794,65 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-class _NoProgress:
-    def update(self, n: int = 1) -> None:
-        pass
+class Progress:
+    """Where a long run is, on stderr: a tqdm bar where tqdm is installed, else a line per run.
 
-    def set_description_str(self, text: str) -> None:
-        pass
+    tqdm is optional (the ``dev`` extra installs it); without it each run prints, as it
+    begins, ``bench: run 3/20: rmsprop, mixedopt fused: set-up, first and warm-up steps``,
+    flushed, and :meth:`close` prints how many runs took how long. :meth:`write` prints results
+    to stdout without breaking a bar.
+    """
 
-    def close(self) -> None:
-        pass
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.begun = 0
+        self.started = time.perf_counter()
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            self.bar = None
+        else:
+            self.bar = tqdm(total=total, file=sys.stderr, unit="run", leave=False)
+
+    def __call__(self, label: str) -> None:
+        """The run called ``label`` begins (and the one before, if any, has ended)."""
+        if self.bar is not None:
+            if self.begun:
+                self.bar.update()
+            self.bar.set_description_str(label)
+        else:
+            print(f"bench: run {self.begun + 1}/{self.total}: {label}", file=sys.stderr, flush=True)
+        self.begun += 1
+
+    def write(self, text: str = "") -> None:
+        """Print ``text`` to stdout."""
+        if self.bar is not None:
+            self.bar.write(text, file=sys.stdout)
+        else:
+            print(text, flush=True)
+
+    def close(self, finished: bool = True) -> None:
+        """The last run has ended (``finished``), or an error stopped them."""
+        if self.bar is not None:
+            if self.begun and finished:
+                self.bar.update()
+            self.bar.close()
+        elif finished:
+            seconds = time.perf_counter() - self.started
+            print(f"bench: {self.begun} runs done in {seconds:.0f} s", file=sys.stderr, flush=True)
 
 
-def _progress(total: int) -> Any:
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoProgress()
-    return tqdm(total=total, file=sys.stderr, unit="run", leave=False)
+def _run_count(args: argparse.Namespace, children: bool) -> int:
+    """The runs ``_run`` tells its progress of (see there)."""
+    pairs = len(args.optimizers) * len(args.variants)
+    count = 1 + pairs + len(args.optimizers)  # stream bandwidth; per variant; timed rounds
+    if children:
+        count += pairs
+    if args.iteration:
+        count += len(ITERATION_VARIANTS) + 1
+    if args.small:
+        count += 1
+    return count
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -775,37 +871,45 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-
+    """Every measurement, its progress on stderr as it goes, the tables on stdout."""
     device = torch.device(args.device)
-    pairs = [(o, v) for o in args.optimizers for v in args.variants]
     children = args.memory and device.type == "cpu"
-    progress = _progress(1 + len(pairs) * (2 if children else 1))
-    started = time.perf_counter()
+    progress = Progress(_run_count(args, children))
     try:
-        progress.set_description_str("stream bandwidth")
-        streams = stream_bandwidth(device, args.stream_mib)
-        stream = streams["inplace"]
-        progress.update()
-        rows = []
-        for optimizer in args.optimizers:
-            progress.set_description_str(optimizer)
-            rows += run_optimizer(args, optimizer, args.variants)
-            progress.update(len(args.variants))
-        if children:
-            for row in rows:
-                progress.set_description_str(f"{row.optimizer} {row.variant} memory")
-                if row.available:
-                    spec = {
-                        "optimizer": row.optimizer,
-                        "variant": row.variant,
-                        "numel": args.numel,
-                        "params": args.params,
-                        "warmup": args.warmup,
-                    }
-                    _apply_memory(row, measure_memory_in_child(spec, torch.get_num_threads()))
-                progress.update()
-    finally:
-        progress.close()
+        status = _measure_and_print(args, device, children, progress)
+    except BaseException:
+        progress.close(finished=False)
+        raise
+    progress.close()
+    return status
+
+
+def _measure_and_print(
+    args: argparse.Namespace, device: torch.device, children: bool, progress: Progress
+) -> int:
+    out = progress.write
+    started = time.perf_counter()
+    progress("stream bandwidth")
+    streams = stream_bandwidth(device, args.stream_mib)
+    stream = streams["inplace"]
+    rows = []
+    for optimizer in args.optimizers:
+        rows += run_optimizer(args, optimizer, args.variants, progress)
+    if children:
+        for row in rows:
+            label = f"{row.optimizer}, {VARIANTS[row.variant]}: peak memory"
+            if not row.available:
+                progress(f"{label}: none, unavailable")
+                continue
+            progress(f"{label}, in a child process")
+            spec = {
+                "optimizer": row.optimizer,
+                "variant": row.variant,
+                "numel": args.numel,
+                "params": args.params,
+                "warmup": args.warmup,
+            }
+            _apply_memory(row, measure_memory_in_child(spec, torch.get_num_threads()))
     elapsed = time.perf_counter() - started
 
     elements = args.numel * args.params
@@ -821,36 +925,41 @@ def _run(args: argparse.Namespace) -> int:
             row.peak_extra_bytes_per_param = row.peak_extra_bytes / elements
 
     info = machine_info(device, streams, args.stream_mib)
-    print(
+    out(
         f"device {device} ({info['device_name']}, {info['torch_threads']} thread(s)) | "
         f"torch {torch.__version__} | {args.params} params x {args.numel:,} elements "
         f"= {elements:,} | stream bandwidth {stream / 1e9:.1f} GB/s "
         f"(x.add_(1) on {args.stream_mib} MiB float32) | median of {args.repeat} steps after "
         f"1 + {args.warmup} untimed | {elapsed:.0f} s"
     )
-    print()
-    print(format_table(rows))
+    out()
+    out(format_table(rows))
     iteration = []
     if args.iteration:
         iteration = iteration_benchmark(
-            device, args.mlp_width, 4, args.mlp_batch, args.repeat, args.warmup
+            device, args.mlp_width, 4, args.mlp_batch, args.repeat, args.warmup, progress
         )
-        print()
-        print(
+        out()
+        out(
             f"Training iteration (autocast float16 forward, backward, step, zero_grad) of a "
             f"4-layer {args.mlp_width}-wide MLP, batch {args.mlp_batch}, median of "
             f"{args.repeat}:"
         )
-        print()
-        print(format_iteration(iteration))
+        out()
+        out(format_iteration(iteration))
     small: dict[str, Any] = {}
     if args.small:
         # Iterations of a few milliseconds: more of them than of the large steps.
-        text, small = bench_small.report(repeat=max(5 * args.repeat, 100), device=args.device)
-        print()
-        print("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
-        print()
-        print(text)
+        small_repeat = max(5 * args.repeat, 100)
+        progress(
+            f"many small parameters: operation counts, then {small_repeat} iterations of each "
+            f"of {len(bench_small.PAIRS)} optimizer pairs"
+        )
+        text, small = bench_small.report(repeat=small_repeat, device=args.device)
+        out()
+        out("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
+        out()
+        out(text)
     if args.json:
         document = {
             "machine": info,

@@ -137,7 +137,7 @@ def iteration_times(
             times["backward"].append(before_step - before_backward)
             times["step"].append(after_step - before_step)
 
-        for _ in range(warmup + 2):  # fused steps compile in their first two
+        for _ in range(warmup + 2):  # a fused step that compiles does so in the first two
             iteration()
         for values in times.values():
             values.clear()

@@ -188,7 +188,7 @@ class Twins:
                 atol = 1e-5
                 if scale_ulps is not None and torch.is_tensor(theirs) and theirs.numel() > 0:
                     key = id(theirs)
-                    largest = max(self.largest.get(key, 0.0), float(theirs.abs().max()))
+                    largest = max(self.largest.get(key, 0.0), theirs.detach().abs().max().item())
                     self.largest[key] = largest
                     atol = max(atol, scale_ulps * 2.0**-23 * largest)
                 torch.testing.assert_close(mine, theirs, rtol=1.3e-6, atol=atol)

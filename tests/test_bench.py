@@ -1,5 +1,9 @@
 import json
+import os
+import re
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -167,3 +171,91 @@ def test_many_small_parameters_regime_reports_operations_and_times():
             assert all(found[library][key] > 0 for key in ("iteration", "backward", "step"))
     for pair in bench_small.PAIRS:
         assert pair in text
+
+
+def _progress_lines(err):
+    return [line for line in err.splitlines() if line.startswith("bench: ")]
+
+
+def test_without_tqdm_each_run_prints_a_progress_line_to_stderr(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm", None)  # ``from tqdm import tqdm`` raises
+    argv = ["--optimizers", "sgd,adam", "--variants", "torch-foreach,mixedopt"]
+    _run(tmp_path, "--no-memory", *argv)
+    lines = _progress_lines(capsys.readouterr().err)
+    # stream bandwidth, 2 optimizers x (2 variants + their timed rounds), then the summary
+    total = 1 + 2 * (2 + 1)
+    assert lines[:-1] == [
+        f"bench: run 1/{total}: stream bandwidth",
+        f"bench: run 2/{total}: sgd, torch foreach: set-up, first and warm-up steps",
+        f"bench: run 3/{total}: sgd, mixedopt default: set-up, first and warm-up steps",
+        f"bench: run 4/{total}: sgd: 2 timed steps of each variant, in turn",
+        f"bench: run 5/{total}: adam, torch foreach: set-up, first and warm-up steps",
+        f"bench: run 6/{total}: adam, mixedopt default: set-up, first and warm-up steps",
+        f"bench: run 7/{total}: adam: 2 timed steps of each variant, in turn",
+    ]
+    assert re.fullmatch(rf"bench: {total} runs done in \d+ s", lines[-1])
+
+
+def test_without_tqdm_the_iteration_and_small_parameter_phases_print_progress(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setitem(sys.modules, "tqdm", None)
+    # Quick stand-ins: the fused variant compiles for seconds, the small regime runs minutes.
+    monkeypatch.delitem(bench.ITERATION_VARIANTS, "mixedopt AdamW fused")
+    monkeypatch.setattr(bench_small, "report", lambda repeat, device: ("small table", {}))
+    argv = [*SMALL, "--optimizers", "sgd", "--variants", "mixedopt", "--no-memory"]
+    argv = [a for a in argv if a not in ("--no-iteration", "--no-small")]
+    assert bench.main([*argv, "--mlp-width", "8", "--mlp-batch", "2"]) == 0
+    captured = capsys.readouterr()
+    lines = _progress_lines(captured.err)
+    total = 1 + 2 + 3 + 1  # stream; sgd's variant and rounds; 2 iteration variants + rounds; small
+    assert [line.split(": ", 2)[1] for line in lines[:-1]] == [
+        f"run {i}/{total}" for i in range(1, total + 1)
+    ]
+    assert "training iteration, mixedopt AdamW: warm-up" in lines[4]
+    assert "training iteration: 2 timed iterations" in lines[5]
+    assert "many small parameters" in lines[6]
+    assert lines[-1].startswith(f"bench: {total} runs done")
+    assert "small table" in captured.out
+
+
+def test_compile_column_is_empty_where_nothing_compiles(tmp_path):
+    # Adam's parameters of at most 32Ki elements take torch's own fused update: no compilation.
+    document = _run(
+        tmp_path,
+        "--no-memory",
+        "--numel",
+        "1024",
+        "--optimizers",
+        "adam",
+        "--variants",
+        "mixedopt-fused",
+    )
+    (row,) = document["rows"]
+    assert row["available"], row
+    assert row["compile_step"] is None
+    assert row["first_step_compile_ms"] is None
+
+
+def test_compile_column_shows_the_step_that_compiled(tmp_path):
+    # In a fresh process, so that no earlier test has compiled the kernel already.
+    path = tmp_path / "bench.json"
+    argv = [*SMALL, "--numel", str(40_000), "--params", "1", "--no-memory"]
+    argv += ["--optimizers", "sgd", "--variants", "mixedopt-fused", "--json", str(path)]
+    root = Path(bench.__file__).resolve().parent.parent
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mixedopt.bench", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = json.loads(path.read_text())["rows"]
+    # SGD with momentum: the first step creates the momentum buffer, the second compiles.
+    assert row["compile_step"] == 2
+    assert row["first_step_compile_ms"] == row["warmup_ms"][0]
+    assert "; compile " in done.stdout

@@ -2,11 +2,59 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
+import torch
 
-from mixedopt.__main__ import main
+from mixedopt.__main__ import main, make_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--batch-size", "1", "--image-size", "1", "--channels", "1"]  # the smallest accepted
+
+# A sitecustomize that makes numpy missing, as in a fresh venv where only torch is installed:
+# the path finder no longer finds it, so ``import numpy`` raises ModuleNotFoundError and
+# ``importlib.util.find_spec("numpy")`` returns None (torch asks both).
+NO_NUMPY = textwrap.dedent(
+    """
+    import importlib.machinery
+    import sys
+
+
+    class _PathFinderWithoutNumpy(importlib.machinery.PathFinder):
+        @classmethod
+        def find_spec(cls, name, path=None, target=None):
+            if name.partition(".")[0] == "numpy":
+                return None
+            return super().find_spec(name, path, target)
+
+
+    sys.meta_path[:] = [
+        _PathFinderWithoutNumpy if finder is importlib.machinery.PathFinder else finder
+        for finder in sys.meta_path
+    ]
+    """
+)
+NUMPY_WARNING = "Failed to initialize NumPy"
+
+
+def _without_numpy(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    (tmp_path / "sitecustomize.py").write_text(NO_NUMPY)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(ROOT)])
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_demo_prints_the_side_by_side_table(capsys):
@@ -24,7 +72,70 @@ def test_demo_prints_the_side_by_side_table(capsys):
     assert difference < 1e-4
 
 
-def test_demo_rejects_zero_steps():
+def test_demo_without_numpy_shows_no_numpy_warning(tmp_path):
+    # The set-up reproduces the problem: torch's own import warns when numpy is missing.
+    bare = _without_numpy(tmp_path, "-c", "import torch")
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    assert NUMPY_WARNING in bare.stderr
+
+    demo = _without_numpy(tmp_path, "-m", "mixedopt", "--steps", "1", "--device", "cpu", *TINY)
+    assert demo.returncode == 0, demo.stderr[-3000:]
+    assert "largest weight difference after 1 step:" in demo.stdout
+    assert NUMPY_WARNING not in demo.stderr
+
+
+def test_demo_says_step_not_steps_after_one_step(capsys):
+    assert main(["--steps", "1", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "1 steps" not in out
+    assert "CosineAnnealingLR, 1 step, batch" in out
+    assert "largest weight difference after 1 step:" in out
+
+
+def test_every_demo_option_has_help_text():
+    options = [a for a in make_parser()._actions if a.option_strings and a.dest != "help"]
+    assert {a.dest for a in options} >= {"steps", "batch_size", "image_size", "lr", "seed"}
+    for action in options:
+        assert action.help and action.help.strip(), action.option_strings
+
+
+def test_demo_rejects_an_unknown_device_naming_those_it_accepts(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["--steps", "0"])
+        main(["--device", "tpu"])
     assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --device" in err and "'tpu'" in err
+    assert "'cpu'" in err and "'cuda'" in err
+    assert "Traceback" not in err
+
+
+def test_demo_says_when_cuda_is_asked_for_but_not_available(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--device", "cuda"])
+    assert exit_info.value.code == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--steps", "0"],
+        ["--steps", "1.5"],
+        ["--batch-size", "0"],
+        ["--image-size", "-1"],
+        ["--channels", "0"],
+        ["--lr", "0"],
+        ["--lr", "-0.1"],
+        ["--lr", "nan"],
+        ["--lr", "inf"],
+        ["--seed", "-1"],
+        ["--seed", str(2**64)],
+    ],
+)
+def test_demo_rejects_nonsense_values_with_an_argparse_error(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: argument {argv[0]}:" in err

@@ -20,6 +20,13 @@ import mixedopt
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
+# Twins.assert_equal(scale_ulps=...) reads the largest magnitude of a reference parameter: on
+# the tensor itself, torch would warn that it converts a tensor that requires grad (once per
+# process, so the first test here to do it would fail).
+pytestmark = pytest.mark.filterwarnings(
+    "error:Converting a tensor with requires_grad=True to a scalar:UserWarning"
+)
+
 
 def unfused(name):
     """The reference: the same mixedopt optimizer on its default path."""

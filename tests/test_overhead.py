@@ -15,10 +15,22 @@ from mixedopt.bench_small import op_counts, per_parameter
 
 EXTRA = 112  # parameters between 8 and 64 layers
 
+# A step skipped for an inf/NaN gradient dispatches fewer operations than a real one (16 instead
+# of 30 for RMSprop): counting it would measure the wrong thing, so mixedopt's warning about it
+# fails the test. (The "." after the class name stands for a colon, the filter's separator.)
+pytestmark = pytest.mark.filterwarnings(
+    r"error:mixedopt\.\w+. a gradient is inf or NaN:RuntimeWarning"
+)
+
 PAIRS = {
     "Adam": (lambda p: torch.optim.Adam(p, foreach=True), lambda p: mixedopt.Adam(p)),
     "AdamW": (lambda p: torch.optim.AdamW(p, foreach=True), lambda p: mixedopt.AdamW(p)),
-    "RMSprop": (lambda p: torch.optim.RMSprop(p, foreach=True), lambda p: mixedopt.RMSprop(p)),
+    # lr=1e-3 as in mixedopt.bench_small: at RMSprop's default 1e-2 the 64-layer model's float16
+    # activations overflow after the two warm-up steps, and the counted step is a skipped one.
+    "RMSprop": (
+        lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True),
+        lambda p: mixedopt.RMSprop(p, lr=1e-3),
+    ),
     "SGD": (
         lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, foreach=True),
         lambda p: mixedopt.SGD(p, lr=0.1, momentum=0.9),

@@ -44,8 +44,14 @@ def test_non_finite_gradient_skips_whole_step_with_warning(name, bad):
     autocast_backward(model, torch.randn(4, 6))
     params[0].grad[0, 0] = bad
     before = snapshot(opt, params)
-    with pytest.warns(RuntimeWarning, match="inf or NaN; the step was skipped"):
-        opt.step()
+    with warnings.catch_warnings():
+        # The bad value is written into .grad in place, which mixedopt rightly reports too
+        # (for inf): that is how this test makes it, not what it is about.
+        warnings.filterwarnings(
+            "ignore", message=r".*\.grad .* changed in place", category=UserWarning
+        )
+        with pytest.warns(RuntimeWarning, match="inf or NaN; the step was skipped"):
+            opt.step()
     assert_unchanged(opt, params, before)
     assert opt.skipped_steps == 1
 
