@@ -336,7 +336,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         device = changed[0].grad.device
         stats, _ = self._grad_storage.stats_table([(e.stats, e.row) for e in changed], device)
         stored = (stats[:, 0] * stats[:, 1]).to(self.grad_dtype).float()  # largest when stored
-        now = torch.stack([abs_max(e.grad).to(device) for e in changed])
+        grads = [e.grad for e in changed]
+        if all(g.device == device and g.numel() and not is_dtensor(g) for g in grads):
+            # Every step under Hugging Face's Trainer (it clips by infinity): one operation.
+            now = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+        else:
+            now = torch.stack([abs_max(g).to(device) for g in grads])
         if not bool(((now != stored) & (now > 0)).any()):
             return
         self._warned_changed_in_place = True

@@ -142,3 +142,12 @@ def test_clipping_float16_gradients_by_a_coefficient_of_one_does_not_warn():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         opt.step()
+
+
+def test_clip_grad_norm_warns_with_gradients_of_no_elements_among_them():
+    params = [torch.nn.Parameter(torch.randn(3)), torch.nn.Parameter(torch.randn(0))]
+    opt = mixedopt.SGD(params, lr=0.1)
+    sum((p * 2.0).sum() for p in params).backward()
+    torch.nn.utils.clip_grad_norm_(params, 1e-3)
+    with pytest.warns(UserWarning, match="changed in place"):
+        opt.step()
