@@ -13,7 +13,8 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -83,34 +84,29 @@ def _synchronize(device: torch.device) -> None:
 DEVICES = ("cpu", "cuda")
 
 
-def _at_least_one(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _checked(
+    convert: Callable[[str], Any], noun: str, accept: Callable[[Any], bool], rule: str
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert`` the text, then refuse what ``accept`` does not."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {noun}: {text!r}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
-    return value
-
-
-def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    if not 0 <= value < 2**64:  # what torch.manual_seed takes
-        raise argparse.ArgumentTypeError(f"must be from 0 to 2**64 - 1, got {value}")
-    return value
+_at_least_one = _checked(int, "a whole number", lambda v: v >= 1, "at least 1")
+_positive_float = _checked(
+    float, "a number", lambda v: math.isfinite(v) and v > 0, "a finite number above 0"
+)
+# What torch.manual_seed takes.
+_seed = _checked(int, "a whole number", lambda v: 0 <= v < 2**64, "from 0 to 2**64 - 1")
 
 
 def _plural(count: int, word: str) -> str:
