@@ -85,9 +85,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
 
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
-    ``grad_dtype`` after ``backward()``, holding the true gradient times a per-tensor power-of-two
-    storage scale (``true_grad`` undoes it). ``step()`` upcasts and unscales the gradients in
-    bounded batches and applies the parent's float32 update to float32 weights and state.
+    ``grad_dtype`` after ``backward()``: in float16 the true gradient times a per-tensor
+    power-of-two storage scale (``true_grad`` undoes it), in bfloat16 the true gradient. Several
+    optimizers may hold a parameter; its storage goes with the last. ``step()`` upcasts and
+    unscales the gradients in bounded batches and applies the parent's float32 update to float32
+    weights and state.
 
     Args:
         grad_dtype: dtype of the stored gradients, ``torch.float16`` (default) or
@@ -101,7 +103,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         last_grad_norm: with ``max_grad_norm``, the L2 norm of all true gradients (before
             clipping) at the last ``step()`` that had gradients, a 0-dim float32 tensor;
             ``None`` before that and without ``max_grad_norm``.
-        skipped_steps: steps skipped because a gradient was inf or NaN (GradScaler's included).
+        skipped_steps: steps skipped because a gradient was inf or NaN (GradScaler's included
+            with float16 gradients; with bfloat16 ones GradScaler skips without calling step()).
             Reading it after fused steps on an accelerator synchronises with the device.
     """
 
