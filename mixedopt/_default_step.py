@@ -48,7 +48,7 @@ class Batch:
     at most one piece of a parameter.
     """
 
-    __slots__ = ("first", "params", "grads", "states", "steps", "created", "whole")
+    __slots__ = ("first", "params", "grads", "states", "steps", "created")
 
     def __init__(self, first: int, keys: int) -> None:
         self.first = first
@@ -58,7 +58,6 @@ class Batch:
         self.steps: list[Tensor] = []
         # (state key index, position, destination) of each state the functional creates.
         self.created: list[tuple[int, int, Tensor]] = []
-        self.whole: list[bool] = []  # a whole parameter (not a piece of one)
 
     def add(
         self,
@@ -67,7 +66,6 @@ class Batch:
         states: Sequence[Tensor | None],
         created: dict[int, Tensor],
         step: Tensor | None,
-        whole: bool,
     ) -> None:
         position = len(self.params)
         self.params.append(param)
@@ -78,7 +76,6 @@ class Batch:
             self.created.append((j, position, destination))
         if step is not None:
             self.steps.append(step)
-        self.whole.append(whole)
 
     def copy_created(self) -> None:
         """Copy the state the functional created into its place."""
@@ -88,7 +85,7 @@ class Batch:
 
 def _pieces(
     entry: Entry, keys: Sequence[str], capacity: int
-) -> Iterator[tuple[Tensor, Tensor, list[Tensor | None], dict[int, Tensor], Tensor | None, bool]]:
+) -> Iterator[tuple[Tensor, Tensor, list[Tensor | None], dict[int, Tensor], Tensor | None]]:
     """A large or sharded parameter, whole (its rank's shard) or in 1-D pieces.
 
     Pieces have at most ``capacity`` elements; a parameter is cut when weights, gradient and
@@ -102,7 +99,7 @@ def _pieces(
     targets = [created.get(j, s) for j, s in enumerate(states)]
     flats = [] if order is None else [flat_view(t, order) for t in (param, *targets)]
     if order is None or any(f is None for f in flats):
-        yield param, grad, states, created, step, True
+        yield param, grad, states, created, step
         return
     flat_param, *flat_states = flats
     flat_grad = grad.permute(order).reshape(-1)  # a view in the param's layout, else a copy
@@ -117,7 +114,6 @@ def _pieces(
             {j: pieces[j] for j in created},
             # The counter advances once per parameter: earlier pieces advance a copy.
             step if step is None or stop == numel else step.clone(),
-            False,
         )
 
 
@@ -141,15 +137,15 @@ def batches(entries: Sequence[Entry], keys: Sequence[str], capacity: int) -> Ite
             created = {}
             if e.created:
                 created = {j: e.created[k] for j, k in enumerate(keys) if values[j] is None}
-            batch.add(e.param, e.grad, values, created, state.get("step"), True)
+            batch.add(e.param, e.grad, values, created, state.get("step"))
             filled += numel
             continue
-        for param, grad, states, created, step, whole in _pieces(e, keys, capacity):
+        for param, grad, states, created, step in _pieces(e, keys, capacity):
             size = param.numel()
             if batch.params and filled + size > capacity:
                 yield batch
                 batch, filled = Batch(index, count), 0
-            batch.add(param, grad, states, created, step, whole)
+            batch.add(param, grad, states, created, step)
             filled += size
     if batch.params:
         yield batch
