@@ -29,6 +29,7 @@ from . import _fused, _packing
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
 from ._fused_step import fused_update
+from ._in_backward import UpdatingBackward, grad_scaler_error
 from ._packing import Entry, Workspace, dense_order, flat_view
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
@@ -148,6 +149,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         # unscales as it does for torch.optim, so that unscale_() and clipping work as there.
         self._step_supports_amp_scaling = grad_dtype == torch.float16
         self._warned_changed_in_place = False
+        # step_in_backward(): the mode when on, whether its backward updated the weights since
+        # the last step(), whether DDP was looked for.
+        self._in_backward: UpdatingBackward | None = None
+        self._updated_in_backward = False
+        self._ddp_checked = False
         self.last_grad_norm: Tensor | None = None
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
@@ -253,6 +259,36 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         return self._grad_storage.true_grad(param)
 
+    def step_in_backward(self) -> UpdatingBackward:
+        """A context in which ``backward()`` updates the weights as it produces the gradients.
+
+        ::
+
+            with optimizer.step_in_backward():
+                loss.backward()
+
+        does what ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` does, with the
+        same weights and state, but each bucket of gradients (``_packing.budget``; a large
+        gradient alone) updates its parameters as soon as backward has stored it, and is freed
+        then: the gradients of the whole model are never held. For gradient accumulation, the
+        earlier micro-batches run a plain ``loss.backward()`` (their gradients are stored in 16
+        bits as usual) and the last one runs in this context.
+
+        When it ends it calls ``step()`` once: that updates the parameters that got no gradient
+        in this backward but hold one from earlier micro-batches, runs the step hooks, and is
+        what LR schedulers check for. After it every parameter's ``.grad`` is ``None``, so a
+        ``step()`` or ``zero_grad()`` that follows does nothing.
+
+        An inf or NaN gradient stops the updates of this backward: the parameters updated
+        before it keep their update, the others keep their weights and state, their gradients
+        are discarded, a ``RuntimeWarning`` says how many of each, and ``skipped_steps`` counts
+        it. Refused with a ``RuntimeError``: ``max_grad_norm`` and GradScaler (both need every
+        gradient before the first update; GradScaler is caught at its ``step()``, after the
+        backward), DistributedDataParallel and FSDP2 (they own the gradients), parameters
+        another mixedopt optimizer holds, and ``remove_grad_storage()``.
+        """
+        return UpdatingBackward(self)
+
     # ------------------------------------------------------------------ step
 
     @property
@@ -281,37 +317,21 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._grad_storage.flush()  # gradients of a backward that ended early
+        grad_scale = getattr(self, "grad_scale", None)  # GradScaler's, during its step()
+        found_inf = getattr(self, "found_inf", None)
+        if self._updated_in_backward:
+            self._updated_in_backward = False
+            # GradScaler found no gradient: the backward had used them, scaled.
+            if found_inf is not None and not torch.is_tensor(found_inf):
+                raise grad_scaler_error(self)
 
-        steps = [(g, self._collect(g)) for g in self.param_groups]
+        steps = [(g, self._entries(g["params"])) for g in self.param_groups]
         steps = [(group, entries) for group, entries in steps if entries]
         if not steps:
             return loss
         if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
             self._warn_if_changed_in_place([e for _, entries in steps for e in entries])
-        found_inf = getattr(self, "found_inf", None)
-        factors, skip = self._factors_and_skip(
-            [e for _, entries in steps for e in entries],
-            getattr(self, "grad_scale", None),
-            found_inf,
-        )
-        fused = all(self._fused_ready(group, entries) for group, entries in steps)
-        on_device = fused and skip.device.type != "cpu"
-        # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
-        # old values where it is set, without host synchronisation.
-        if on_device or not bool(skip):
-            start = 0
-            for group, entries in steps:
-                group_factors = factors[start : start + len(entries)]
-                start += len(entries)
-                if fused:
-                    device_skip = skip if on_device else None
-                    self._fused_step_group(group, entries, group_factors, device_skip)
-                else:
-                    self._step_group(group, entries, group_factors)
-            if on_device:
-                if self._skipped_on_device is None:
-                    self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
-                self._skipped_on_device += skip
+        if self._step_entries(steps, grad_scale, found_inf):
             return loss
 
         self._skipped_on_host += 1
@@ -323,6 +343,42 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 stacklevel=_user_stacklevel(),
             )
         return loss
+
+    def _step_entries(
+        self,
+        steps: list[tuple[dict[str, Any], list[Entry]]],
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        on_host: bool = False,
+    ) -> bool:
+        """Update each group's entries; ``False`` where the step is skipped, nothing changed.
+
+        Skipped when GradScaler's ``found_inf`` is set or a gradient is inf or NaN. Fused steps
+        on an accelerator decide that on the device (and return ``True``) unless ``on_host``.
+        """
+        factors, skip = self._factors_and_skip(
+            [e for _, entries in steps for e in entries], grad_scale, found_inf
+        )
+        fused = all(self._fused_ready(group, entries) for group, entries in steps)
+        on_device = fused and skip.device.type != "cpu" and not on_host
+        # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
+        # old values where it is set, without host synchronisation.
+        if not on_device and bool(skip):
+            return False
+        start = 0
+        for group, entries in steps:
+            group_factors = factors[start : start + len(entries)]
+            start += len(entries)
+            if fused:
+                device_skip = skip if on_device else None
+                self._fused_step_group(group, entries, group_factors, device_skip)
+            else:
+                self._step_group(group, entries, group_factors)
+        if on_device:
+            if self._skipped_on_device is None:
+                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
+            self._skipped_on_device += skip
+        return True
 
     def _warn_if_changed_in_place(self, entries: list[Entry]) -> None:
         """Warn, once, when code changed stored float16 gradients in place before ``step()``.
@@ -362,11 +418,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             stacklevel=_user_stacklevel(),
         )
 
-    def _collect(self, group: dict[str, Any]) -> list[Entry]:
+    def _entries(self, params: list[Tensor]) -> list[Entry]:
+        """The parameters of ``params`` that have a gradient, as ``step()`` takes them."""
         name = type(self).__name__
         storage = self._grad_storage
         found = []
-        for p in group["params"]:
+        for p in params:
             grad = p.grad
             if grad is None:
                 continue

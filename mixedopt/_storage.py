@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -65,6 +66,9 @@ from ._packing import (
 )
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
+
+# Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
+Consumer = Callable[[list[Tensor]], None]
 
 # The stored tensor's largest magnitude lands in [2**(E-1), 2**E): 256x headroom below float16's
 # largest value, and 2**-22 of it still a normal float16 number.
@@ -120,6 +124,7 @@ class _Slot:
         "layout",
         "shape",
         "strides",
+        "consumer",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -142,6 +147,9 @@ class _Slot:
         self.layout: tuple[int, ...] = ()
         self.shape = param.shape
         self.strides: tuple[int, ...] = ()
+        # Called with the parameter as soon as its gradient is stored, in backward (an
+        # optimizer's step_in_backward); None: the gradient stays in p.grad.
+        self.consumer: Consumer | None = None
 
     def owns(self, grad: Tensor | None) -> bool:
         return grad is not None and self.grad_ref is not None and self.grad_ref() is grad
@@ -261,9 +269,20 @@ class GradientStorage:
         self._stored: dict[int, tuple[Any, Any, _BucketPlan]] = {}
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
+        self._consumed = 0  # slots with a consumer
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
+
+    def holders(self, param: Tensor) -> int:
+        """How many optimizers hold ``param`` (0: its gradient is not stored here)."""
+        slot = self._slots.get(id(param))
+        return 0 if slot is None else slot.holders
+
+    def left_to_engine(self, param: Tensor) -> bool:
+        """Whether a distributed engine (DDP) was found to reduce ``param``'s gradient."""
+        slot = self._slots.get(id(param))
+        return slot is not None and slot.engine_owned
 
     def check_can_manage(self, param: Tensor) -> None:
         owner = _managed.get(param)
@@ -464,6 +483,8 @@ class GradientStorage:
             slot.grad_ref = reference(grad)
             slot.grad_version, slot.stats, slot.row, slot.pending = version, stats, row, False
         bucket.clear()
+        if self._consumed:
+            self._hand_over(slots)
 
     def _remember(self, stats: Tensor, stored: Tensor, plan: _BucketPlan) -> None:
         """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
@@ -532,6 +553,32 @@ class GradientStorage:
         )
         torch.mul(true, scale, out=stored)  # scale in float32, round to grad_dtype: one pass
         slot.record(stored, torch.stack([scale, amax]).unsqueeze(0), 0, stored._version)
+        if slot.consumer is not None:
+            slot.consumer([param])
+
+    def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
+        """Hand the gradients of ``params`` to ``consumer`` as soon as they are stored.
+
+        Backward stores a bucket (or a large gradient) and calls ``consumer`` with its
+        parameters at once, their ``.grad`` set; ``None`` ends it. A consumer runs inside
+        backward, under ``torch.no_grad()``.
+        """
+        for param in params:
+            slot = self._slots.get(id(param))
+            if slot is None:
+                continue
+            self._consumed += (consumer is not None) - (slot.consumer is not None)
+            slot.consumer = consumer
+
+    @staticmethod
+    def _hand_over(slots: list[_Slot]) -> None:
+        """Call each consumer with its parameters among ``slots``, in order."""
+        taken: dict[Consumer, list[Tensor]] = {}
+        for slot in slots:
+            if slot.consumer is not None:
+                taken.setdefault(slot.consumer, []).append(slot.param)
+        for consumer, params in taken.items():
+            consumer(params)
 
     def stats_table(
         self, found: list[tuple[Tensor | None, int]], device: torch.device
@@ -616,6 +663,7 @@ class GradientStorage:
             self._buckets.clear()
 
     def _uninstall(self, slot: _Slot) -> None:
+        self._consumed -= slot.consumer is not None
         for handle in slot.handles:
             handle.remove()
         param = slot.param

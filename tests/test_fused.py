@@ -307,7 +307,7 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
             weights = [p.detach().clone() for p in twins.params]
             state = copy.deepcopy(twins.opt.state_dict()["state"])
         group = twins.opt.param_groups[0]
-        entries = twins.opt._collect(group)
+        entries = twins.opt._entries(group["params"])
         factors, _ = twins.opt._factors_and_skip(entries, None, None)
         twins.opt._fused_step_group(group, entries, factors, torch.tensor(skip))
         if skip:

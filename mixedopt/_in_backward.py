@@ -1,0 +1,166 @@
+"""Stepping in backward: each bucket of gradients updates its parameters as soon as it is stored.
+
+``with optimizer.step_in_backward(): loss.backward()`` does what ``loss.backward();
+optimizer.step(); optimizer.zero_grad()`` does, without ever holding the gradients of the whole
+model. The gradient storage (``_storage.py``) stores the gradients of a backward bucket by bucket
+(and a large gradient on its own); while the mode is on, it hands each stored bucket to
+``UpdatingBackward.consume``, which updates those parameters with ``step()``'s own machinery
+(``MixedPrecisionOptimizer._step_entries``: the same factors, the same functional update, so the
+same weights) and frees their gradients. At its end the mode runs ``optimizer.step()`` once, for
+the parameters that got no gradient in this backward but hold one from earlier micro-batches,
+for the step hooks, and for the LR schedulers that count steps.
+
+What needs every gradient before the first update is refused, not approximated: clipping by the
+global norm (``max_grad_norm``) and GradScaler, whose skip-on-inf decides the whole step. A
+gradient that is inf or NaN stops the updates of this backward: the parameters updated before it
+keep their update, the others keep their weights and state, their gradients are discarded, and a
+warning says how many of each there were (``skipped_steps`` counts it).
+"""
+
+from __future__ import annotations
+
+import warnings
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from ._distributed import ddp_managed, is_dtensor
+
+if TYPE_CHECKING:
+    from ._core import MixedPrecisionOptimizer
+
+
+def grad_scaler_error(optimizer: Any) -> RuntimeError:
+    name = type(optimizer).__name__
+    return RuntimeError(
+        f"GradScaler stepped mixedopt.{name} after a step_in_backward() backward, which had "
+        "already updated the weights with the gradients of the loss GradScaler scaled: "
+        "GradScaler's skip-on-inf needs every gradient before the first update, so the two "
+        "cannot be combined. Drop GradScaler (mixedopt's float16 gradients carry their own "
+        "per-tensor scale; a fixed loss scale can be divided out of the loss) or step with "
+        "loss.backward(); optimizer.step()"
+    )
+
+
+class UpdatingBackward:
+    """The context ``step_in_backward()`` returns: the backwards in it update the weights."""
+
+    def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
+        self.optimizer = optimizer
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self.updated = 0  # parameters this backward updated
+        self.discarded = 0  # parameters whose gradient an inf/NaN made this backward discard
+        self.stopped = False  # an inf or NaN was met: nothing more is updated
+
+    def _refuse(self, why: str) -> None:
+        name = type(self.optimizer).__name__
+        raise RuntimeError(f"mixedopt.{name}.step_in_backward(): {why}")
+
+    def _check(self) -> None:
+        optimizer = self.optimizer
+        storage = optimizer._grad_storage
+        if optimizer._in_backward is not None:
+            self._refuse("already on; a backward in it updates the weights once")
+        if optimizer.max_grad_norm is not None:
+            self._refuse(
+                "max_grad_norm clips by the norm of all gradients, known only when backward "
+                "ends, after the updates; clip with loss.backward(); optimizer.step(), or set "
+                "max_grad_norm=None"
+            )
+        if not optimizer._release_storage.alive:
+            self._refuse(
+                "remove_grad_storage() was called, so backward no longer hands the gradients to "
+                "the optimizer; use loss.backward(); optimizer.step()"
+            )
+        if any(is_dtensor(p) for p in self.params):
+            self._refuse(
+                "FSDP2 (fully_shard) owns the gradients of its sharded parameters and "
+                "reduce-scatters them after backward; step with loss.backward(); "
+                "optimizer.step()"
+            )
+        # Looked for once per optimizer (a walk over the objects the collector tracks); the
+        # storage also knows the parameters it found DDP to reduce at a backward.
+        if not optimizer._ddp_checked:
+            optimizer._ddp_checked = True
+            ddp = bool(ddp_managed(self.params))
+        else:
+            ddp = any(storage.left_to_engine(p) for p in self.params)
+        if ddp:
+            self._refuse(
+                "DistributedDataParallel owns the gradients of its parameters and all-reduces "
+                "them after backward; step with loss.backward(); optimizer.step()"
+            )
+        shared = [p for p in self.params if storage.holders(p) > 1]
+        if shared:
+            self._refuse(
+                f"{len(shared)} parameter(s) are also held by another mixedopt optimizer, and "
+                "a gradient this mode uses is freed; give each optimizer its own parameters"
+            )
+
+    def __enter__(self) -> UpdatingBackward:
+        self._check()
+        self.optimizer._in_backward = self
+        self.optimizer._grad_storage.set_consumer(self.params, self.consume)
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        optimizer = self.optimizer
+        storage = optimizer._grad_storage
+        storage.set_consumer(self.params, None)
+        optimizer._in_backward = None
+        storage.flush()  # what a backward that raised left waiting: stored, not used
+        if kind is not None:
+            return
+        if self.stopped:
+            self._discard([p for p in self.params if p.grad is not None])
+            optimizer._skipped_on_host += 1
+            name = type(optimizer).__name__
+            warnings.warn(
+                f"mixedopt.{name}: a gradient was inf or NaN in a step_in_backward() backward; "
+                f"{self.updated} parameter(s) had been updated before it was found, the other "
+                f"{self.discarded} keep their weights and state and their gradients were "
+                f"discarded ({optimizer.skipped_steps} skipped so far)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        # The parameters with a gradient from earlier micro-batches only, the step hooks, and
+        # the LR schedulers that check that step() was called.
+        left = [p for p in self.params if p.grad is not None]
+        optimizer.step()
+        for p in left:
+            p.grad = None
+        optimizer._updated_in_backward = True
+
+    def _discard(self, params: list[Tensor]) -> None:
+        for p in params:
+            p.grad = None
+        self.discarded += len(params)
+
+    @torch.no_grad()
+    def consume(self, params: list[Tensor]) -> None:
+        """Update ``params``, whose gradients backward has just stored, and free the gradients."""
+        if self.stopped:
+            self._discard(params)
+            return
+        optimizer = self.optimizer
+        by_group: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
+        for p in params:
+            group = self.group_of[id(p)]
+            by_group.setdefault(id(group), (group, []))[1].append(p)
+        steps = [(group, optimizer._entries(chosen)) for group, chosen in by_group.values()]
+        steps = [(group, entries) for group, entries in steps if entries]
+        if steps and not optimizer._step_entries(steps, None, None, on_host=True):
+            self.stopped = True
+            self._discard(params)
+            return
+        for p in params:
+            p.grad = None
+        self.updated += len(params)

@@ -1,0 +1,275 @@
+"""step_in_backward(): backward updates the weights bucket by bucket as backward(); step() would."""
+
+from __future__ import annotations
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+from helpers import OPTIMIZERS, scenarios, slice_elements
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import mixedopt
+
+
+class Pair:
+    """The same parameters under two mixedopt optimizers: one steps, one steps in backward."""
+
+    def __init__(self, name, kwargs, shapes, seed, **extra):
+        generator = torch.Generator().manual_seed(seed)
+        self.generator = generator
+        data = [torch.randn(shape, generator=generator) for shape in shapes]
+        self.stepped = [nn.Parameter(d.clone()) for d in data]
+        self.updating = [nn.Parameter(d.clone()) for d in data]
+        cls = OPTIMIZERS[name][0]
+        self.opt = cls(self.stepped, **kwargs, **extra)
+        self.in_backward = cls(self.updating, **kwargs, **extra)
+
+    def losses(self, magnitude):
+        """The loss of each set of parameters for one micro-batch: the same gradients."""
+        scale = 10.0**magnitude
+        grads = [torch.randn(p.shape, generator=self.generator) * scale for p in self.stepped]
+        return [
+            sum((p * g).sum() for p, g in zip(params, grads, strict=True))
+            for params in (self.stepped, self.updating)
+        ]
+
+    def iteration(self, magnitudes):
+        """``len(magnitudes)`` micro-batches: backward(); step() against the updating backward."""
+        for i, magnitude in enumerate(magnitudes):
+            stepped, updating = self.losses(magnitude)
+            stepped.backward()
+            if i + 1 < len(magnitudes):
+                updating.backward()
+                continue
+            with self.in_backward.step_in_backward():
+                updating.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+
+    def assert_equal(self):
+        for p, q in zip(self.updating, self.stepped, strict=True):
+            assert p.grad is None
+            torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
+            mine, theirs = self.in_backward.state[p], self.opt.state[q]
+            assert mine.keys() == theirs.keys()
+            for key, value in theirs.items():
+                torch.testing.assert_close(mine[key], value, rtol=1.3e-6, atol=1e-5)
+
+
+@given(
+    scenarios(),
+    st.sampled_from([1, 4]),
+    st.sampled_from([torch.float16, torch.bfloat16]),
+)
+def test_updating_backward_gives_the_weights_and_state_of_backward_then_step(
+    s, micro_batches, grad_dtype
+):
+    pair = Pair(s["name"], s["kwargs"], s["shapes"], s["seed"], grad_dtype=grad_dtype)
+    # Small budgets make several buckets per backward and store larger gradients alone.
+    with slice_elements(s["slice_elements"]):
+        magnitudes = s["magnitudes"]
+        for step in range(s["steps"]):
+            first = step * micro_batches
+            chosen = [magnitudes[(first + i) % len(magnitudes)] for i in range(micro_batches)]
+            pair.iteration(chosen)
+            pair.assert_equal()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_updating_backward_gives_the_weights_of_a_fused_step(name):
+    kwargs = {"lr": 1e-2, "fused": True}
+    if name == "SGD":
+        kwargs["momentum"] = 0.9
+    pair = Pair(name, kwargs, [(40, 50), (50,), (3, 7)], seed=1)
+    with slice_elements(1000):  # the (40, 50) weight is stored alone and updated by a kernel
+        for _ in range(3):
+            pair.iteration([0.0, -1.0])
+            pair.assert_equal()
+
+
+def two_layers():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
+
+
+def test_later_layers_are_updated_before_backward_reaches_the_first():
+    model = two_layers()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+    last = model[2].weight.detach().clone()
+    seen = []
+    x = torch.randn(8, 64, requires_grad=True)
+    hidden = model[1](model[0](x))
+    # Runs when backward reaches the first layer's output, after the last layer's gradients
+    # (stored alone: larger than the budget).
+    hidden.register_hook(lambda g: seen.append(not torch.equal(model[2].weight, last)))
+    with slice_elements(1000), opt.step_in_backward():
+        model[2](hidden).square().mean().backward()
+    assert seen == [True]
+
+
+def test_after_an_updating_backward_no_gradient_is_left_and_step_changes_nothing():
+    model = two_layers()
+    opt = mixedopt.Adam(model.parameters())
+    with opt.step_in_backward():
+        model(torch.randn(8, 64)).square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    opt.zero_grad()
+    for p, w in zip(model.parameters(), weights, strict=True):
+        assert torch.equal(p, w)
+
+
+def test_a_parameter_without_gradient_in_the_updating_backward_is_updated_from_earlier_ones():
+    model = two_layers()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 64)).square().mean().backward()
+    first = model[0].weight.grad.float() / opt._grad_storage.scale_of(model[0].weight)
+    before = model[0].weight.detach().clone()
+    with opt.step_in_backward():  # reaches the last layer only
+        model[2](torch.randn(8, 64)).square().mean().backward()
+    torch.testing.assert_close(model[0].weight, before - 0.1 * first)
+    assert model[0].weight.grad is None
+
+
+def test_lr_scheduler_steps_unchanged_without_warning():
+    model, twin_model = two_layers(), two_layers()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref = mixedopt.SGD(twin_model.parameters(), lr=0.1, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    ref_schedule = torch.optim.lr_scheduler.StepLR(ref, step_size=1, gamma=0.5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "lr_scheduler.step() before optimizer.step()" among them
+        for _ in range(3):
+            x = torch.randn(8, 64)
+            with opt.step_in_backward():
+                model(x).square().mean().backward()
+            schedule.step()
+            twin_model(x).square().mean().backward()
+            ref.step()
+            ref.zero_grad()
+            ref_schedule.step()
+    assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"] == 0.1 * 0.5**3
+    for p, q in zip(model.parameters(), twin_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q)
+
+
+def test_step_hooks_run_once_per_updating_backward():
+    model = two_layers()
+    opt = mixedopt.Adam(model.parameters())
+    calls = []
+    opt.register_step_post_hook(lambda *_: calls.append("post"))
+    for _ in range(2):
+        with slice_elements(1000), opt.step_in_backward():
+            model(torch.randn(8, 64)).square().mean().backward()
+    assert calls == ["post", "post"]
+
+
+def test_checkpoint_mid_training_continues_as_backward_then_step():
+    pair = Pair("Adam", {"lr": 1e-2}, [(5, 4), (4,)], seed=3)
+    pair.iteration([0.0])
+    buffer = io.BytesIO()
+    torch.save(pair.in_backward.state_dict(), buffer)
+    buffer.seek(0)
+    pair.in_backward = mixedopt.Adam(pair.updating, lr=1e-2)
+    pair.in_backward.load_state_dict(torch.load(buffer))
+    for _ in range(2):
+        pair.iteration([0.0, 1.0])
+        pair.assert_equal()
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_non_finite_gradient_stops_the_updates_and_leaves_the_rest_untouched(bad):
+    model, twin_model = two_layers(), two_layers()
+    opt = mixedopt.Adam(model.parameters())
+    ref = mixedopt.Adam(twin_model.parameters())
+    x = torch.randn(8, 64)
+    for net, optimizer in ((model, opt), (twin_model, ref)):  # state exists
+        net(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    first = [model[0].weight, model[0].bias]
+    before = [p.detach().clone() for p in first]
+    state = [copy.deepcopy(opt.state[p]) for p in first]
+    x = torch.randn(8, 64)
+    hidden = model[1](model[0](x))
+    hidden.register_hook(lambda g: g * bad)  # the first layer's gradients only
+    found = r"inf or NaN.* 1 parameter\(s\) had been updated.*other 3 keep"
+    with pytest.warns(RuntimeWarning, match=found):
+        with slice_elements(1000), opt.step_in_backward():
+            model[2](hidden).square().mean().backward()
+    for p, w, s in zip(first, before, state, strict=True):
+        assert torch.equal(p, w)
+        for key, value in s.items():
+            assert torch.equal(opt.state[p][key], value)
+    # The last layer's weight, larger than the budget, was stored and updated first.
+    twin_model(x).square().mean().backward()
+    ref.step()
+    torch.testing.assert_close(model[2].weight, twin_model[2].weight)
+    assert all(p.grad is None for p in model.parameters())
+    assert opt.skipped_steps == 1
+
+
+def test_a_backward_that_raises_ends_the_mode_and_keeps_the_gradients_not_used():
+    model = two_layers()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+
+    def fail(grad):
+        raise ValueError("boom")
+
+    hidden = model[1](model[0](torch.randn(8, 64)))
+    hidden.register_hook(fail)
+    with pytest.raises(ValueError, match="boom"), opt.step_in_backward():
+        model[2](hidden).square().mean().backward()
+    with opt.step_in_backward():  # the mode ended: it can be entered again
+        model(torch.randn(8, 64)).square().mean().backward()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_max_grad_norm_is_refused():
+    model = two_layers()
+    opt = mixedopt.Adam(model.parameters(), max_grad_norm=1.0)
+    with pytest.raises(RuntimeError, match="max_grad_norm clips by the norm of all gradients"):
+        with opt.step_in_backward():
+            pass
+
+
+def test_grad_scaler_is_refused_at_its_step():
+    model = two_layers()
+    opt = mixedopt.Adam(model.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    with opt.step_in_backward():
+        scaler.scale(model(torch.randn(8, 64)).square().mean()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler stepped mixedopt.Adam after a step_in"):
+        scaler.step(opt)
+
+
+def test_parameters_held_by_another_optimizer_are_refused():
+    model = two_layers()
+    opt = mixedopt.Adam(model.parameters())
+    other = mixedopt.SGD(model[2].parameters(), lr=0.1)  # noqa: F841 - holds them while alive
+    with pytest.raises(RuntimeError, match=r"2 parameter\(s\) are also held by another"):
+        with opt.step_in_backward():
+            pass
+
+
+def test_removed_grad_storage_is_refused():
+    model = two_layers()
+    opt = mixedopt.Adam(model.parameters())
+    opt.remove_grad_storage()
+    with pytest.raises(RuntimeError, match="remove_grad_storage"):
+        with opt.step_in_backward():
+            pass
+
+
+def test_entering_twice_is_refused():
+    opt = mixedopt.Adam(two_layers().parameters())
+    with opt.step_in_backward():
+        with pytest.raises(RuntimeError, match="already on"):
+            with opt.step_in_backward():
+                pass
