@@ -337,15 +337,17 @@ def child_memory(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def measure_memory_in_child(spec: dict[str, Any], threads: int) -> dict[str, Any]:
-    """Run :func:`child_memory` in a new interpreter; its result, or ``{"error": ...}``."""
+def run_memory_child(module: str, arguments: Sequence[str]) -> dict[str, Any]:
+    """``python -m module *arguments`` in a new interpreter, with malloc set up as above.
+
+    The JSON object the child prints last, or ``{"error": ...}``.
+    """
     env = dict(os.environ)
     env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
     env["MALLOC_TRIM_THRESHOLD_"] = str(_MMAP_THRESHOLD)
     package_root = str(Path(mixedopt.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", "mixedopt.bench", "--threads", str(threads)]
-    command += ["--device", "cpu", _CHILD_FLAG, json.dumps(spec)]
+    command = [sys.executable, "-m", module, *arguments]
     try:
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     except subprocess.TimeoutExpired:
@@ -355,6 +357,12 @@ def measure_memory_in_child(spec: dict[str, Any], threads: int) -> dict[str, Any
         tail = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
         return {"error": f"the memory child failed: {tail}"}
     return json.loads(lines[-1])
+
+
+def measure_memory_in_child(spec: dict[str, Any], threads: int) -> dict[str, Any]:
+    """Run :func:`child_memory` in a new interpreter; its result, or ``{"error": ...}``."""
+    arguments = ["--threads", str(threads), "--device", "cpu", _CHILD_FLAG, json.dumps(spec)]
+    return run_memory_child("mixedopt.bench", arguments)
 
 
 def cuda_peak(opt: torch.optim.Optimizer, device: torch.device) -> int:

@@ -259,3 +259,12 @@ def test_compile_column_shows_the_step_that_compiled(tmp_path):
     assert row["compile_step"] == 2
     assert row["first_step_compile_ms"] == row["warmup_ms"][0]
     assert "; compile " in done.stdout
+
+
+def test_step_in_backward_benchmark_prints_a_speed_row_per_model(capsys):
+    from mixedopt import bench_in_backward
+
+    assert bench_in_backward.main(["--no-memory", "--repeat", "2"]) == 0
+    out = capsys.readouterr().out
+    for name in bench_in_backward.SPEED_MODELS:
+        assert re.search(rf"\| {re.escape(name)} \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", out), out

@@ -321,6 +321,37 @@ def test_zero_redundancy_optimizer_with_ddp_matches_torch_optim():
     run_ranks(_zero_parity)
 
 
+# ---------------------------------------------------------------------------- step_in_backward
+
+
+def _step_in_backward_refused(rank: int) -> None:
+    from torch.distributed.fsdp import fully_shard
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(_model())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="mixedopt: .* DistributedDataParallel")
+        opt = mixedopt.Adam(ddp.parameters(), lr=1e-2)
+        _loss(ddp, _batches(rank, 1)[0]).backward()  # DDP's gradients, float32
+        opt.step()
+    weights = [p.detach().clone() for p in ddp.parameters()]
+    with pytest.raises(RuntimeError, match="DistributedDataParallel owns the gradients"):
+        with opt.step_in_backward():
+            pass
+    for p, w in zip(ddp.parameters(), weights, strict=True):
+        assert torch.equal(p.detach(), w)
+
+    sharded = fully_shard(_model())
+    opt = mixedopt.Adam(sharded.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"FSDP2 \(fully_shard\) owns the gradients"):
+        with opt.step_in_backward():
+            pass
+
+
+def test_step_in_backward_is_refused_under_ddp_and_fsdp2():
+    run_ranks(_step_in_backward_refused)
+
+
 # ---------------------------------------------------------------------------- memory figures
 
 

@@ -7,6 +7,8 @@ import os
 import pytest
 from helpers import peak_in_child
 
+from mixedopt import bench_in_backward
+
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs"
 )
@@ -57,3 +59,24 @@ def test_fused_step_extra_memory_is_bounded():
 def test_the_measurement_sees_a_full_size_temporary():
     """torch.optim.RMSprop(foreach=True) allocates +4 B/param during step(): 128 MB here."""
     assert peak_extra_bytes("torch", "RMSprop") > 3 * NUMEL * COUNT
+
+
+# step_in_backward(): 64 x Linear(1024, 1024), 67M parameters, Adam, batch 1, float32 forward
+# (bench_in_backward's memory table): weights 4 B + state 8 B + what the iteration holds.
+IN_BACKWARD = f"mixedopt.Adam, {bench_in_backward.IN_BACKWARD}"
+STEPPED = f"mixedopt.Adam, {bench_in_backward.STEPPED}"
+
+
+def bytes_per_param(mode):
+    (found,) = bench_in_backward.memory_table(modes=[mode], forwards=["float32"])[mode].values()
+    assert "error" not in found, found["error"]
+    assert found["params"] >= 64_000_000
+    return found["bytes_per_param"]
+
+
+def test_updating_backward_peak_is_at_most_12_5_bytes_per_parameter():
+    assert bytes_per_param(IN_BACKWARD) <= 12.5
+
+
+def test_the_measurement_sees_the_float16_gradients_of_backward_then_step():
+    assert bytes_per_param(STEPPED) >= 13.5

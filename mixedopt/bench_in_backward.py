@@ -1,0 +1,269 @@
+"""``python -m mixedopt.bench_in_backward``: what ``step_in_backward()`` saves, and what it costs.
+
+Memory
+    Bytes per parameter at the peak of a training iteration of ``--layers x Linear(--width,
+    --width)`` (by default 64 x 1024 x 1024: 67M parameters) with Adam, batch 1 so that the
+    activations are negligible, for four ways of stepping: torch.optim.Adam with
+    ``foreach=False`` and ``foreach=True``, mixedopt.Adam with ``backward(); step()``, and
+    mixedopt.Adam with ``step_in_backward()``. The figure is everything the model, its optimizer
+    and the iteration hold at the peak: (peak - memory before the model was built) / parameters,
+    so weights (4 B) and Adam's state (8 B) are in it. "Before" is after one iteration of a tiny
+    model of the same kind, so that what torch sets up once whatever the model (threads, the
+    autograd engine, its allocator's arenas) is not counted per parameter. The weights are
+    scaled so that the values keep their size through the layers.
+
+    Twice: with a float32 forward, and with the forward under ``autocast(float16)``, which keeps
+    a float16 copy of every weight for backward until backward has used it (2 B per parameter at
+    the start of backward, whatever the optimizer).
+
+    On a CPU each figure comes from a fresh interpreter (``bench.run_memory_child``): two
+    iterations (the state exists), a reset of the resident-set high-water mark, one iteration,
+    then VmHWM; on CUDA from the allocator's peak.
+
+Speed
+    A training iteration (forward under ``autocast(float16)``, backward, step, zero_grad) with
+    ``backward(); step()`` and with ``step_in_backward()`` (mixedopt.AdamW), taking turns, on
+    the 4-layer 1024-wide MLP (batch 64) and on 64 x Linear(64, 64) (batch 16): median times and
+    their ratio (lower is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+import mixedopt
+
+from . import bench, bench_small
+
+STEPPED = "backward(); step()"
+IN_BACKWARD = "step_in_backward()"
+
+# How each way of stepping makes its optimizer (from the parameters).
+MEMORY_MODES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "torch.optim.Adam, foreach=False": lambda p: torch.optim.Adam(p, foreach=False),
+    "torch.optim.Adam, foreach=True": lambda p: torch.optim.Adam(p, foreach=True),
+    f"mixedopt.Adam, {STEPPED}": lambda p: mixedopt.Adam(p),
+    f"mixedopt.Adam, {IN_BACKWARD}": lambda p: mixedopt.Adam(p),
+}
+
+# name -> (layers, width, batch) of the models the speed is measured on.
+SPEED_MODELS = {
+    "4-layer 1024-wide MLP, batch 64": (4, 1024, 64),
+    "64 x Linear(64, 64), batch 16": (64, 64, 16),
+}
+
+
+def scaled_model(layers: int, width: int, device: str = "cpu") -> nn.Module:
+    """``layers x Linear(width, width)`` whose activations keep their size through the layers."""
+    model = bench_small.model(layers, width, device=device)
+    with torch.no_grad():
+        for layer in model:
+            layer.weight.mul_(3**0.5)  # uniform(-1/sqrt(n), 1/sqrt(n)) has variance 1/(3n)
+    return model
+
+
+def iteration(
+    model: nn.Module,
+    opt: Any,
+    x: torch.Tensor,
+    in_backward: bool,
+    autocast: bool = True,
+) -> None:
+    """One training iteration, stepping after backward or in it."""
+    cast = torch.autocast(x.device.type, dtype=torch.float16) if autocast else None
+    with cast or contextlib.nullcontext():
+        loss = model(x).float().square().mean()
+    if in_backward:
+        with opt.step_in_backward():
+            loss.backward()
+        return
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _allocated(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    return bench._proc_status()["VmRSS"]
+
+
+def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
+    """In this process: the peak of one iteration of ``spec``, per parameter (module doc)."""
+    device = torch.device(spec["device"])
+    make = MEMORY_MODES[spec["mode"]]
+    in_backward = spec["mode"].endswith(IN_BACKWARD)
+
+    def run(layers: int, width: int, iterations: int) -> tuple[nn.Module, Any]:
+        model = scaled_model(layers, width, device=spec["device"])
+        opt = make(model.parameters())
+        x = torch.randn(1, width, device=device)
+        for _ in range(iterations):
+            iteration(model, opt, x, in_backward, spec["autocast"])
+        return model, opt
+
+    tiny, tiny_opt = run(2, 8, 2)  # what torch sets up once
+    if hasattr(tiny_opt, "remove_grad_storage"):
+        tiny_opt.remove_grad_storage()
+    del tiny, tiny_opt
+    gc.collect()
+    bench._malloc_trim()
+    before = _allocated(device)
+    model, opt = run(spec["layers"], spec["width"], 2)  # the state exists
+    x = torch.randn(1, spec["width"], device=device)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        bench._malloc_trim()
+        bench._reset_hwm()
+    iteration(model, opt, x, in_backward, spec["autocast"])
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = bench._proc_status()["VmHWM"]
+    params = sum(p.numel() for p in model.parameters())
+    if hasattr(opt, "remove_grad_storage"):
+        opt.remove_grad_storage()
+    return {"bytes_per_param": (peak - before) / params, "params": params}
+
+
+FORWARDS = {"float32": False, "autocast": True}  # name -> whether under autocast(float16)
+
+
+def memory_table(
+    layers: int = 64,
+    width: int = 1024,
+    device: str = "cpu",
+    modes: Sequence[str] = tuple(MEMORY_MODES),
+    forwards: Sequence[str] = tuple(FORWARDS),
+) -> dict[str, dict[str, Any]]:
+    """``{mode: {forward: figure}}``, each figure a ``peak_bytes_per_parameter`` result.
+
+    On a CPU each figure is measured in a fresh interpreter.
+    """
+    found: dict[str, dict[str, Any]] = {}
+    for mode in modes:
+        found[mode] = {}
+        for forward in forwards:
+            autocast = FORWARDS[forward]
+            spec = {
+                "mode": mode,
+                "layers": layers,
+                "width": width,
+                "device": device,
+                "autocast": autocast,
+            }
+            if torch.device(device).type == "cpu":
+                result = bench.run_memory_child(
+                    "mixedopt.bench_in_backward", ["--child", json.dumps(spec)]
+                )
+            else:
+                result = peak_bytes_per_parameter(spec)
+            found[mode][forward] = result
+    return found
+
+
+def iteration_times(
+    layers: int, width: int, batch: int, repeat: int = 50, warmup: int = 5, device: str = "cpu"
+) -> dict[str, float]:
+    """Median milliseconds of an iteration stepping after backward and in it, taking turns."""
+    x = torch.randn(batch, width, device=device)
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    runs = {}
+    for in_backward in (False, True):
+        model = bench_small.model(layers, width, device=device)
+        opt = mixedopt.AdamW(model.parameters())
+        for _ in range(warmup):
+            iteration(model, opt, x, in_backward)
+        runs[IN_BACKWARD if in_backward else STEPPED] = (model, opt, in_backward, [])
+    for _ in range(repeat):
+        for model, opt, in_backward, times in runs.values():
+            sync()
+            start = time.perf_counter()
+            iteration(model, opt, x, in_backward)
+            sync()
+            times.append(1e3 * (time.perf_counter() - start))
+    for _, opt, _, _ in runs.values():
+        opt.remove_grad_storage()
+    return {name: statistics.median(times) for name, (_, _, _, times) in runs.items()}
+
+
+def report(
+    layers: int = 64, width: int = 1024, repeat: int = 50, device: str = "cpu", memory: bool = True
+) -> tuple[str, dict[str, Any]]:
+    """Both tables as text, and their figures."""
+    lines = []
+    figures: dict[str, Any] = {}
+    if memory:
+        table = memory_table(layers, width, device)
+        figures["memory"] = table
+        params = next(iter(table.values()))["float32"].get("params", 0)
+        lines += [
+            f"Peak of a training iteration, bytes per parameter (weights 4 + Adam state 8 + the "
+            f"rest), {layers} x Linear({width}, {width}) = {params:,} parameters, batch 1:",
+            "",
+            "| stepping | float32 forward | autocast(float16) forward |",
+            "|---|---:|---:|",
+        ]
+        for mode, found in table.items():
+            cells = [
+                f"{r['bytes_per_param']:.2f}" if "bytes_per_param" in r else r.get("error", "?")
+                for r in (found["float32"], found["autocast"])
+            ]
+            lines.append(f"| {mode} | " + " | ".join(cells) + " |")
+        lines.append("")
+    figures["iteration_ms"] = {}
+    lines += [
+        f"Training iteration, mixedopt.AdamW, autocast(float16), median of {repeat}, ms:",
+        "",
+        f"| model | {STEPPED} | {IN_BACKWARD} | ratio |",
+        "|---|---:|---:|---:|",
+    ]
+    for name, (model_layers, model_width, batch) in SPEED_MODELS.items():
+        times = iteration_times(model_layers, model_width, batch, repeat, device=device)
+        figures["iteration_ms"][name] = times
+        ratio = times[IN_BACKWARD] / times[STEPPED]
+        lines.append(f"| {name} | {times[STEPPED]:.2f} | {times[IN_BACKWARD]:.2f} | {ratio:.2f}x |")
+    return "\n".join(lines), figures
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Print both tables (``--no-memory``: the speed table only); return the exit status."""
+    parser = argparse.ArgumentParser(
+        prog="python -m mixedopt.bench_in_backward",
+        description="Memory and speed of step_in_backward() next to backward(); step().",
+    )
+    parser.add_argument("--layers", type=bench._positive, default=64, help="memory model (64)")
+    parser.add_argument("--width", type=bench._positive, default=1024, help="its width (1024)")
+    parser.add_argument("--repeat", type=bench._positive, default=50, help="timed iterations")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--no-memory", dest="memory", action="store_false", help="speed only")
+    parser.add_argument("--json", metavar="PATH", help="also write the figures")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(peak_bytes_per_parameter(json.loads(args.child))))
+        return 0
+    text, figures = report(args.layers, args.width, args.repeat, args.device, args.memory)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(figures, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
