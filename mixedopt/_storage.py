@@ -130,7 +130,9 @@ class _Slot:
     def __init__(self, param: Tensor) -> None:
         self.param = param
         # Holding the AccumulateGrad node keeps it (and the hook on it) alive between backwards.
-        self.accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]
+        # A view records its grad_fn only with grad mode on (an optimizer made under no_grad).
+        with torch.enable_grad():
+            self.accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]
         self.handles: list[Any] = []
         self.original_grad_dtype = param.grad_dtype
         self.holders = 0  # optimizers holding the parameter: the slot goes with the last one
