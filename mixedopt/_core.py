@@ -8,7 +8,8 @@ the step is skipped, then updates each group on one of two paths: the default on
 functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True`` (torch's fused
 update for small parameters where the parent has one, else the compiled kernels of
 ``_fused_step.py``, which read the 16-bit gradients). An optimizer file only says how its state
-is created and which functional and kernel to call.
+is created and which functional and kernel to call. ``step_in_backward()`` (``_in_backward.py``)
+runs the same update on each bucket of gradients as backward stores it.
 """
 
 from __future__ import annotations

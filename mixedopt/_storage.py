@@ -31,6 +31,11 @@ How it gets there (PyTorch >= 2.10)
       mixedopt, or assigned by hand) is added to it in float32 before the sum is scaled, so the
       sum is rounded to 16 bits once and its scale fits the sum itself.
 
+Stepping in backward
+    While an optimizer's ``step_in_backward()`` is on, each stored bucket (or gradient stored
+    alone) is handed at once to the consumer set for its parameters (``set_consumer``), which
+    updates them and frees the gradients, still inside backward (``_in_backward.py``).
+
 A gradient assigned by hand (``p.grad = g``) is taken as the true gradient (scale 1); one changed
 in place (``zero_grad(set_to_none=False)``, ``p.grad.mul_(...)``) keeps its scale. All of this is
 device work: no host synchronisation on CUDA.

@@ -273,3 +273,18 @@ def test_entering_twice_is_refused():
         with pytest.raises(RuntimeError, match="already on"):
             with opt.step_in_backward():
                 pass
+
+
+def test_a_parameter_saved_for_backward_through_detach_makes_autograd_raise():
+    """Its update comes before backward reads the saved value: autograd's own error, not a
+    silently wrong gradient."""
+    torch.manual_seed(0)
+    first, second = nn.Linear(16, 16), nn.Linear(16, 16)
+    opt = mixedopt.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    hidden = first(torch.randn(4, 16))
+    # The matmul saves second.weight for backward, out of autograd's view; second(hidden) comes
+    # later, so backward reaches it, and second.weight's update, first.
+    out = (hidden @ second.weight.detach()).tanh() + second(hidden)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        with slice_elements(100), opt.step_in_backward():
+            out.square().mean().backward()
