@@ -39,8 +39,7 @@ def grad_scaler_error(optimizer: Any) -> RuntimeError:
         "already updated the weights with the gradients of the loss GradScaler scaled: "
         "GradScaler's skip-on-inf needs every gradient before the first update, so the two "
         "cannot be combined. Drop GradScaler (mixedopt's float16 gradients carry their own "
-        "per-tensor scale; a fixed loss scale can be divided out of the loss) or step with "
-        "loss.backward(); optimizer.step()"
+        "per-tensor scale) or step with loss.backward(); optimizer.step()"
     )
 
 
@@ -51,6 +50,9 @@ class UpdatingBackward:
         self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        self._reset()
+
+    def _reset(self) -> None:
         self.updated = 0  # parameters this backward updated
         self.discarded = 0  # parameters whose gradient an inf/NaN made this backward discard
         self.stopped = False  # an inf or NaN was met: nothing more is updated
@@ -102,6 +104,7 @@ class UpdatingBackward:
 
     def __enter__(self) -> UpdatingBackward:
         self._check()
+        self._reset()  # the same context may be entered again
         self.optimizer._in_backward = self
         self.optimizer._grad_storage.set_consumer(self.params, self.consume)
         return self
