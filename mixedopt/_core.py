@@ -6,10 +6,11 @@ once, each gradient's factor (1 / storage scale x 1 / loss scale x clip coeffici
 the step is skipped, then updates each group on one of two paths: the default one
 (``_default_step.py``: float32 gradients in bounded batches, handed to the parent's public
 functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True`` (torch's fused
-update for small parameters where the parent has one, else the compiled kernels of
-``_fused_step.py``, which read the 16-bit gradients). An optimizer file only says how its state
-is created and which functional and kernel to call. ``step_in_backward()`` (``_in_backward.py``)
-runs the same update on each bucket of gradients as backward stores it.
+update for small parameters where the parent has one, else compiled kernels that read the
+16-bit gradients: ``FusedSteps`` of ``_fused_step.py``, mixed into this class). An optimizer
+file only says how its state is created and which functional and kernel to call.
+``step_in_backward()`` (``_in_backward.py``) runs the same update on each bucket of gradients
+as backward stores it.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from . import _fused, _packing
+from . import _packing
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
-from ._fused_step import fused_update
+from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
-from ._packing import Entry, Workspace, dense_order, flat_view
+from ._packing import Entry, Workspace, by_device, dense_order, flat_view
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
@@ -65,25 +66,7 @@ def _l2_norm(grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
-def _by_device(
-    entries: list[Entry], factors: Tensor
-) -> dict[torch.device, tuple[list[Entry], Tensor]]:
-    """``entries`` and their ``factors`` per device of their parameters, in order."""
-    devices = {e.param.device for e in entries}
-    if devices == {factors.device}:
-        return {factors.device: (entries, factors)}
-    found: dict[torch.device, tuple[list[Entry], list[int]]] = {}
-    for i, e in enumerate(entries):
-        found.setdefault(e.param.device, ([], []))
-        found[e.param.device][0].append(e)
-        found[e.param.device][1].append(i)
-    return {
-        device: (chosen, factors[torch.tensor(indices, device=factors.device)].to(device))
-        for device, (chosen, indices) in found.items()
-    }
-
-
-class MixedPrecisionOptimizer(torch.optim.Optimizer):
+class MixedPrecisionOptimizer(FusedSteps, torch.optim.Optimizer):
     """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
 
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
@@ -530,7 +513,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
             self._update(group, params, grads, states, steps)
 
-        for device_entries, device_factors in _by_device(entries, factors).values():
+        for device_entries, device_factors in by_device(entries, factors).values():
             default_update(
                 update,
                 keys,
@@ -542,136 +525,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         for e in entries:
             e.state.update(e.created)
 
-    # ------------------------------------------------------------------ fused=True
-
-    def _fused_ready(self, group: dict[str, Any], entries: list[Entry]) -> bool:
-        """Whether this group steps with the compiled kernels now.
-
-        Only once every parameter has its state: the first step runs the default path, which
-        creates the state exactly as the parent does (and skips without creating any).
-        """
-        if not group.get("fused") or not _fused.available():
-            return False
-        keys = self._state_keys(group)
-        return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
-
-    def _fused_step_group(
-        self, group: dict[str, Any], entries: list[Entry], factors: Tensor, skip: Tensor | None
-    ) -> None:
-        """Update ``entries`` with fused updates that read no host value.
-
-        Parameters of up to ``_packing.budget(device).fused_small`` elements go to torch's own
-        fused update, on float32 gradients upcast in bounded batches as on the default path
-        (Adam, AdamW, SGD); without one (RMSprop) they are packed for the compiled kernels. Larger
-        parameters are updated by the compiled kernels (``_fused_step.py``), which read the
-        16-bit gradients directly. ``skip`` is None on the CPU (the caller does not step when a
-        gradient is inf/NaN); on an accelerator both keep the old values where it is set.
-        """
-        keys = self._state_keys(group)
-        for device, (device_entries, device_factors) in _by_device(entries, factors).items():
-            device_skip = None if skip is None else skip.to(device)
-            if keys:  # like the parent, an optimizer with no state records none
-                for e in device_entries:
-                    e.state = self.state[e.param]
-            if self._torch_fused:
-                small = _packing.budget(device).fused_small
-                taken = [i for i, e in enumerate(device_entries) if e.param.numel() <= small]
-                if taken:
-                    self._torch_fused_update(
-                        group, device_entries, device_factors, taken, device_skip
-                    )
-                    kept = sorted(set(range(len(device_entries))) - set(taken))
-                    device_entries = [device_entries[i] for i in kept]
-                    device_factors = device_factors[self._workspace.index(kept, device)]
-            if device_entries:
-                self._compiled_update(group, keys, device_entries, device_factors, device_skip)
-
-    def _torch_fused_update(
-        self,
-        group: dict[str, Any],
-        entries: list[Entry],
-        factors: Tensor,
-        taken: list[int],
-        skip: Tensor | None,
-    ) -> None:
-        """Torch's fused update of ``entries[i] for i in taken``.
-
-        On an accelerator ``skip`` goes to it as ``found_inf``: nothing changes where it is set.
-        """
-        device = factors.device
-        chosen = [entries[i] for i in taken]
-        if len(chosen) != len(entries):
-            factors = factors[self._workspace.index(taken, device)]
-        found_inf = None if skip is None else skip.float()
-
-        def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
-            self._update(group, params, grads, states, steps, found_inf=found_inf)
-
-        default_update(
-            update,
-            self._state_keys(group),
-            chosen,
-            factors,
-            self._workspace,
-            self._grad_storage.stored_bucket,
-        )
-
-    def _compiled_update(
-        self,
-        group: dict[str, Any],
-        keys: list[str],
-        entries: list[Entry],
-        factors: Tensor,
-        skip: Tensor | None,
-    ) -> None:
-        """Update ``entries`` (on one device) with the compiled kernels (``_fused_step.py``)."""
-        device = factors.device
-        # maximize: the kernels get the negated gradient, as torch's update negates it.
-        signed = -factors if group["maximize"] else factors
-        steps = []
-        for e in entries:
-            step = e.state.get("step")
-            if step is not None:
-                if step.device != device:  # from a non-fused checkpoint
-                    step = e.state["step"] = step.to(device)
-                steps.append(step)
-        coefficients = self._fused_coefficients(group, torch.stack(steps)) if steps else []
-        left = fused_update(
-            self._fused_kernel,
-            keys,
-            self._fused_state_order,
-            entries,
-            signed,
-            coefficients,
-            (skip, *self._fused_hyperparameters(group)),
-            self._workspace,
-        )
-        done = set(range(len(entries))) - set(left)
-        advanced = [steps[i] for i in sorted(done)] if steps else []
-        if advanced:
-            torch._foreach_add_(advanced, 1 if skip is None else (~skip).float())
-        if left and skip is None:  # no compiler: the rest takes the default path
-            rest = factors[self._workspace.index(left, device)]
-            self._step_group(group, [entries[i] for i in left], rest)
-
     # ------------------------------------------------------------------ per optimizer
-
-    # The compiled update of one parameter or one pack (``_fused.py``), its state arguments in
-    # order, and the arguments the group shares.
-    _fused_kernel: Callable[..., None]
-    _fused_state_order: tuple[str, ...] = ()
-    # Whether the parent's functional update has a fused implementation (``fused=True``).
-    _torch_fused = False
-
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
-        raise NotImplementedError
-
-    def _fused_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
-        """Coefficients per parameter that depend on its step counter (Adam's bias corrections).
-
-        Each is a 1-D tensor like ``steps``.
-        """
-        return []
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         """Elementwise float32 state tensors the update reads for this group, in order."""

@@ -1,15 +1,18 @@
-"""fused=True: the compiled kernels' share of a group's update, in a bounded number of calls.
+"""fused=True: a group's update by fused kernels that read the 16-bit gradients.
 
-They update RMSprop's parameters, and those of Adam, AdamW and SGD larger than
-``_packing.budget(device).fused_small`` (the smaller ones take torch's own fused update, see
-``MixedPrecisionOptimizer._fused_step_group``). Parameters of up to ``fused_small`` elements are
-packed (``_packing.py``): their weights, gradients and state are copied into buffers of rows
-(one ``_foreach_copy_`` for all), updated by one compiled call per ``capacity`` elements, with
-each parameter's factor and step coefficients given per row, and copied back. A larger parameter
-is updated in place by a compiled call of its own, on 1-D aliases of its memory: its bytes
-outweigh the cost of a call. So a group costs one compiled call per ``fused_small`` elements of
-its parameters at most (and two compiled variants of each kernel: packed rows, and one
-parameter), whatever the number of parameters.
+``FusedSteps`` (mixed into ``MixedPrecisionOptimizer``) steps a ``fused=True`` group: torch's
+own fused update for parameters of up to ``_packing.budget(device).fused_small`` elements where
+the parent has one (Adam, AdamW, SGD), the compiled kernels for the others (``fused_update``),
+and the default path where no compiler is available.
+
+The compiled kernels run in a bounded number of calls. Parameters of up to ``fused_small``
+elements are packed (``_packing.py``): their weights, gradients and state are copied into
+buffers of rows (one ``_foreach_copy_`` for all), updated by one compiled call per ``capacity``
+elements, with each parameter's factor and step coefficients given per row, and copied back. A
+larger parameter is updated in place by a compiled call of its own, on 1-D aliases of its
+memory: its bytes outweigh the cost of a call. So a group costs one compiled call per
+``fused_small`` elements of its parameters at most (and two compiled variants of each kernel:
+packed rows, and one parameter), whatever the number of parameters.
 
 The step counters advance outside the kernels, with one ``_foreach_add_``.
 """
@@ -23,8 +26,9 @@ import torch
 from torch import Tensor
 
 from . import _fused
+from ._default_step import default_update
 from ._distributed import is_dtensor, local
-from ._packing import Entry, Workspace, budget, dense_order, flat_view, packs
+from ._packing import Entry, Workspace, budget, by_device, dense_order, flat_view, packs
 
 
 def _aliases(param: Tensor, tensors: list[Tensor], workspace: Workspace) -> list[Tensor]:
@@ -156,3 +160,147 @@ def _run_pack(
         return False
     torch._foreach_copy_([*params, *states], [*param_views, *state_views])
     return True
+
+
+class FusedSteps:
+    """The ``fused=True`` step of a group, mixed into ``MixedPrecisionOptimizer``.
+
+    Torch's own fused update for small parameters where the parent has one, the compiled
+    kernels (``fused_update``) for the others; the default path (``_step_group``) where no
+    compiler is available.
+    """
+
+    # What the optimizer it is mixed into provides (``_core.MixedPrecisionOptimizer``).
+    state: Any
+    _workspace: Workspace
+    _grad_storage: Any
+    _state_keys: Callable[[dict[str, Any]], list[str]]
+    _update: Callable[..., None]
+    _step_group: Callable[[dict[str, Any], list[Entry], Tensor], None]
+
+    # Per optimizer: the compiled update of one parameter or one pack (``_fused.py``), its
+    # state arguments in order, and the arguments the group shares.
+    _fused_kernel: Callable[..., None]
+    _fused_state_order: tuple[str, ...] = ()
+    # Whether the parent's functional update has a fused implementation (``fused=True``).
+    _torch_fused = False
+
+    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+        raise NotImplementedError
+
+    def _fused_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
+        """Coefficients per parameter that depend on its step counter (Adam's bias corrections).
+
+        Each is a 1-D tensor like ``steps``.
+        """
+        return []
+
+    def _fused_ready(self, group: dict[str, Any], entries: list[Entry]) -> bool:
+        """Whether this group steps with the compiled kernels now.
+
+        Only once every parameter has its state: the first step runs the default path, which
+        creates the state exactly as the parent does (and skips without creating any).
+        """
+        if not group.get("fused") or not _fused.available():
+            return False
+        keys = self._state_keys(group)
+        return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
+
+    def _fused_step_group(
+        self, group: dict[str, Any], entries: list[Entry], factors: Tensor, skip: Tensor | None
+    ) -> None:
+        """Update ``entries`` with fused updates that read no host value.
+
+        Parameters of up to ``budget(device).fused_small`` elements go to torch's own
+        fused update, on float32 gradients upcast in bounded batches as on the default path
+        (Adam, AdamW, SGD); without one (RMSprop) they are packed for the compiled kernels. Larger
+        parameters are updated by the compiled kernels (``fused_update``), which read the
+        16-bit gradients directly. ``skip`` is None on the CPU (the caller does not step when a
+        gradient is inf/NaN); on an accelerator both keep the old values where it is set.
+        """
+        keys = self._state_keys(group)
+        for device, (device_entries, device_factors) in by_device(entries, factors).items():
+            device_skip = None if skip is None else skip.to(device)
+            if keys:  # like the parent, an optimizer with no state records none
+                for e in device_entries:
+                    e.state = self.state[e.param]
+            if self._torch_fused:
+                small = budget(device).fused_small
+                taken = [i for i, e in enumerate(device_entries) if e.param.numel() <= small]
+                if taken:
+                    self._torch_fused_update(
+                        group, device_entries, device_factors, taken, device_skip
+                    )
+                    kept = sorted(set(range(len(device_entries))) - set(taken))
+                    device_entries = [device_entries[i] for i in kept]
+                    device_factors = device_factors[self._workspace.index(kept, device)]
+            if device_entries:
+                self._compiled_update(group, keys, device_entries, device_factors, device_skip)
+
+    def _torch_fused_update(
+        self,
+        group: dict[str, Any],
+        entries: list[Entry],
+        factors: Tensor,
+        taken: list[int],
+        skip: Tensor | None,
+    ) -> None:
+        """Torch's fused update of ``entries[i] for i in taken``.
+
+        On an accelerator ``skip`` goes to it as ``found_inf``: nothing changes where it is set.
+        """
+        device = factors.device
+        chosen = [entries[i] for i in taken]
+        if len(chosen) != len(entries):
+            factors = factors[self._workspace.index(taken, device)]
+        found_inf = None if skip is None else skip.float()
+
+        def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
+            self._update(group, params, grads, states, steps, found_inf=found_inf)
+
+        default_update(
+            update,
+            self._state_keys(group),
+            chosen,
+            factors,
+            self._workspace,
+            self._grad_storage.stored_bucket,
+        )
+
+    def _compiled_update(
+        self,
+        group: dict[str, Any],
+        keys: list[str],
+        entries: list[Entry],
+        factors: Tensor,
+        skip: Tensor | None,
+    ) -> None:
+        """Update ``entries`` (on one device) with the compiled kernels (``fused_update``)."""
+        device = factors.device
+        # maximize: the kernels get the negated gradient, as torch's update negates it.
+        signed = -factors if group["maximize"] else factors
+        steps = []
+        for e in entries:
+            step = e.state.get("step")
+            if step is not None:
+                if step.device != device:  # from a non-fused checkpoint
+                    step = e.state["step"] = step.to(device)
+                steps.append(step)
+        coefficients = self._fused_coefficients(group, torch.stack(steps)) if steps else []
+        left = fused_update(
+            self._fused_kernel,
+            keys,
+            self._fused_state_order,
+            entries,
+            signed,
+            coefficients,
+            (skip, *self._fused_hyperparameters(group)),
+            self._workspace,
+        )
+        done = set(range(len(entries))) - set(left)
+        advanced = [steps[i] for i in sorted(done)] if steps else []
+        if advanced:
+            torch._foreach_add_(advanced, 1 if skip is None else (~skip).float())
+        if left and skip is None:  # no compiler: the rest takes the default path
+            rest = factors[self._workspace.index(left, device)]
+            self._step_group(group, [entries[i] for i in left], rest)

@@ -366,3 +366,21 @@ class Workspace:
                 view = cached[key] = view_in(buffer, offset, p, dense_strides(p))
             views.append(view)
         return buffer[: layout.elements].view(layout.rows, ROW), views
+
+
+def by_device(
+    entries: list[Entry], factors: Tensor
+) -> dict[torch.device, tuple[list[Entry], Tensor]]:
+    """``entries`` and their ``factors`` per device of their parameters, in order."""
+    devices = {e.param.device for e in entries}
+    if devices == {factors.device}:
+        return {factors.device: (entries, factors)}
+    found: dict[torch.device, tuple[list[Entry], list[int]]] = {}
+    for i, e in enumerate(entries):
+        found.setdefault(e.param.device, ([], []))
+        found[e.param.device][0].append(e)
+        found[e.param.device][1].append(i)
+    return {
+        device: (chosen, factors[torch.tensor(indices, device=factors.device)].to(device))
+        for device, (chosen, indices) in found.items()
+    }

@@ -67,7 +67,8 @@ def scaled_model(layers: int, width: int, device: str = "cpu") -> nn.Module:
     """``layers x Linear(width, width)`` whose activations keep their size through the layers."""
     model = bench_small.model(layers, width, device=device)
     with torch.no_grad():
-        for layer in model:
+        for layer in model.children():
+            assert isinstance(layer, nn.Linear)
             layer.weight.mul_(3**0.5)  # uniform(-1/sqrt(n), 1/sqrt(n)) has variance 1/(3n)
     return model
 
@@ -182,7 +183,7 @@ def iteration_times(
     """Median milliseconds of an iteration stepping after backward and in it, taking turns."""
     x = torch.randn(batch, width, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    runs = {}
+    runs: dict[str, tuple[nn.Module, Any, bool, list[float]]] = {}
     for in_backward in (False, True):
         model = bench_small.model(layers, width, device=device)
         opt = mixedopt.AdamW(model.parameters())
