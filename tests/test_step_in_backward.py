@@ -315,3 +315,30 @@ def test_a_parameter_saved_for_backward_through_detach_makes_autograd_raise():
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         with slice_elements(100), opt.step_in_backward():
             out.square().mean().backward()
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentrant):
+    """A checkpointed block recomputes its forward in backward, with weights not updated yet."""
+    from torch.utils.checkpoint import checkpoint
+
+    def build():
+        torch.manual_seed(0)
+        return nn.ModuleList([nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+
+    def loss_of(blocks, x):
+        for block in blocks:
+            x = checkpoint(block, x, use_reentrant=reentrant)
+        return x.square().mean()
+
+    blocks, twin_blocks = build(), build()
+    opt, ref = mixedopt.Adam(blocks.parameters()), mixedopt.Adam(twin_blocks.parameters())
+    for _ in range(2):
+        x = torch.randn(8, 64, requires_grad=reentrant)
+        with slice_elements(1000), opt.step_in_backward():
+            loss_of(blocks, x).backward()
+        loss_of(twin_blocks, x).backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(blocks.parameters(), twin_blocks.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
