@@ -19,6 +19,7 @@ warning says how many of each there were (``skipped_steps`` counts it).
 
 from __future__ import annotations
 
+import threading
 import warnings
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -50,6 +51,9 @@ class UpdatingBackward:
         self.optimizer = optimizer
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        # Autograd runs each device's hooks on a thread of its own: one update at a time (they
+        # share the optimizer's state and buffers).
+        self.lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
@@ -150,6 +154,10 @@ class UpdatingBackward:
     @torch.no_grad()
     def consume(self, params: list[Tensor]) -> None:
         """Update ``params``, whose gradients backward has just stored, and free the gradients."""
+        with self.lock:
+            self._consume(params)
+
+    def _consume(self, params: list[Tensor]) -> None:
         if self.stopped:
             self._discard(params)
             return
