@@ -78,3 +78,21 @@ def test_grad_scaler_on_cuda_skips_inf_steps():
     scaler.update()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
     assert opt.skipped_steps == 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_step_in_backward_on_cuda_matches_backward_then_step(name, fused):
+    model, twin_model = mlp(), mlp()
+    opt = OPTIMIZERS[name][0](model.parameters(), lr=1e-3, fused=fused)
+    ref = OPTIMIZERS[name][0](twin_model.parameters(), lr=1e-3, fused=fused)
+    for _ in range(3):
+        x = torch.randn(32, 64, device="cuda")
+        with opt.step_in_backward():
+            cuda_grads(model, x).backward()
+        cuda_grads(twin_model, x).backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(model.parameters(), twin_model.parameters(), strict=True):
+        assert p.grad is None
+        torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
