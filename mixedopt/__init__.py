@@ -12,11 +12,12 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+from ._autocast import autocast  # noqa: E402
 from ._core import MixedPrecisionOptimizer  # noqa: E402
 from .adam import Adam  # noqa: E402
 from .adamw import AdamW  # noqa: E402
 from .rmsprop import RMSprop  # noqa: E402
 from .sgd import SGD  # noqa: E402
 
-__all__ = ["SGD", "Adam", "AdamW", "MixedPrecisionOptimizer", "RMSprop"]
+__all__ = ["SGD", "Adam", "AdamW", "MixedPrecisionOptimizer", "RMSprop", "autocast"]
 __version__ = "0.1.0"

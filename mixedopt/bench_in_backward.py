@@ -12,9 +12,10 @@ Memory
     autograd engine, its allocator's arenas) is not counted per parameter. The weights are
     scaled so that the values keep their size through the layers.
 
-    Twice: with a float32 forward, and with the forward under ``autocast(float16)``, which keeps
-    a float16 copy of every weight for backward until backward has used it (2 B per parameter at
-    the start of backward, whatever the optimizer).
+    Three times: with a float32 forward; with the forward under ``torch.autocast(float16)``,
+    which keeps a float16 copy of every weight for backward until backward has used it (2 B per
+    parameter at the start of backward, whatever the optimizer); and under
+    ``mixedopt.autocast(float16)``, which saves none and casts the weights again in backward.
 
     On a CPU each figure comes from a fresh interpreter (``bench.run_memory_child``): two
     iterations (the state exists), a reset of the resident-set high-water mark, one iteration,
@@ -22,7 +23,8 @@ Memory
 
 Speed
     A training iteration (forward under ``autocast(float16)``, backward, step, zero_grad) with
-    ``backward(); step()`` and with ``step_in_backward()`` (mixedopt.AdamW), taking turns, on
+    ``backward(); step()``, with ``step_in_backward()``, and with ``step_in_backward()`` and the
+    forward under ``mixedopt.autocast`` (mixedopt.AdamW), taking turns, on
     the 4-layer 1024-wide MLP (batch 64) and on 64 x Linear(64, 64) (batch 16): median times and
     their ratio (lower is faster).
 """
@@ -73,16 +75,23 @@ def scaled_model(layers: int, width: int, device: str = "cpu") -> nn.Module:
     return model
 
 
+# name -> the context a forward runs in, on a device type.
+FORWARDS: dict[str, Callable[[str], contextlib.AbstractContextManager[Any]]] = {
+    "float32": lambda device_type: contextlib.nullcontext(),
+    "torch.autocast": lambda device_type: torch.autocast(device_type, dtype=torch.float16),
+    "mixedopt.autocast": lambda device_type: mixedopt.autocast(device_type, dtype=torch.float16),
+}
+
+
 def iteration(
     model: nn.Module,
     opt: Any,
     x: torch.Tensor,
     in_backward: bool,
-    autocast: bool = True,
+    forward: str = "torch.autocast",
 ) -> None:
-    """One training iteration, stepping after backward or in it."""
-    cast = torch.autocast(x.device.type, dtype=torch.float16) if autocast else None
-    with cast or contextlib.nullcontext():
+    """One training iteration, its forward in ``FORWARDS[forward]``, stepping after or in it."""
+    with FORWARDS[forward](x.device.type):
         loss = model(x).float().square().mean()
     if in_backward:
         with opt.step_in_backward():
@@ -110,7 +119,7 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
         opt = make(model.parameters())
         x = torch.randn(1, width, device=device)
         for _ in range(iterations):
-            iteration(model, opt, x, in_backward, spec["autocast"])
+            iteration(model, opt, x, in_backward, spec["forward"])
         return model, opt
 
     tiny, tiny_opt = run(2, 8, 2)  # what torch sets up once
@@ -129,7 +138,7 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
     else:
         bench._malloc_trim()
         bench._reset_hwm()
-    iteration(model, opt, x, in_backward, spec["autocast"])
+    iteration(model, opt, x, in_backward, spec["forward"])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
@@ -139,9 +148,6 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
     if hasattr(opt, "remove_grad_storage"):
         opt.remove_grad_storage()
     return {"bytes_per_param": (peak - before) / params, "params": params}
-
-
-FORWARDS = {"float32": False, "autocast": True}  # name -> whether under autocast(float16)
 
 
 def memory_table(
@@ -159,13 +165,12 @@ def memory_table(
     for mode in modes:
         found[mode] = {}
         for forward in forwards:
-            autocast = FORWARDS[forward]
             spec = {
                 "mode": mode,
                 "layers": layers,
                 "width": width,
                 "device": device,
-                "autocast": autocast,
+                "forward": forward,
             }
             if torch.device(device).type == "cpu":
                 result = bench.run_memory_child(
@@ -177,29 +182,46 @@ def memory_table(
     return found
 
 
+# name -> (steps in backward, the forward's context in FORWARDS), the ways the speed is timed.
+SPEED_WAYS = {
+    STEPPED: (False, "torch.autocast"),
+    IN_BACKWARD: (True, "torch.autocast"),
+    f"{IN_BACKWARD}, mixedopt.autocast": (True, "mixedopt.autocast"),
+}
+
+
 def iteration_times(
     layers: int, width: int, batch: int, repeat: int = 50, warmup: int = 5, device: str = "cpu"
 ) -> dict[str, float]:
-    """Median milliseconds of an iteration stepping after backward and in it, taking turns."""
+    """Median milliseconds of an iteration in each of ``SPEED_WAYS``, taking turns."""
     x = torch.randn(batch, width, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    runs: dict[str, tuple[nn.Module, Any, bool, list[float]]] = {}
-    for in_backward in (False, True):
+    runs: dict[str, tuple[Callable[[], None], Any, list[float]]] = {}
+    for name, (in_backward, forward) in SPEED_WAYS.items():
         model = bench_small.model(layers, width, device=device)
         opt = mixedopt.AdamW(model.parameters())
+
+        def run(
+            model: nn.Module = model,
+            opt: Any = opt,
+            in_backward: bool = in_backward,
+            forward: str = forward,
+        ) -> None:
+            iteration(model, opt, x, in_backward, forward)
+
         for _ in range(warmup):
-            iteration(model, opt, x, in_backward)
-        runs[IN_BACKWARD if in_backward else STEPPED] = (model, opt, in_backward, [])
+            run()
+        runs[name] = (run, opt, [])
     for _ in range(repeat):
-        for model, opt, in_backward, times in runs.values():
+        for run, _, times in runs.values():
             sync()
             start = time.perf_counter()
-            iteration(model, opt, x, in_backward)
+            run()
             sync()
             times.append(1e3 * (time.perf_counter() - start))
-    for _, opt, _, _ in runs.values():
+    for _, opt, _ in runs.values():
         opt.remove_grad_storage()
-    return {name: statistics.median(times) for name, (_, _, _, times) in runs.items()}
+    return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
 
 
 def report(
@@ -214,30 +236,35 @@ def report(
         params = next(iter(table.values()))["float32"].get("params", 0)
         lines += [
             f"Peak of a training iteration, bytes per parameter (weights 4 + Adam state 8 + the "
-            f"rest), {layers} x Linear({width}, {width}) = {params:,} parameters, batch 1:",
+            f"rest), {layers} x Linear({width}, {width}) = {params:,} parameters, batch 1, "
+            "by the forward's context:",
             "",
-            "| stepping | float32 forward | autocast(float16) forward |",
-            "|---|---:|---:|",
+            "| stepping | " + " | ".join(FORWARDS) + " |",
+            "|---|" + "---:|" * len(FORWARDS),
         ]
         for mode, found in table.items():
             cells = [
                 f"{r['bytes_per_param']:.2f}" if "bytes_per_param" in r else r.get("error", "?")
-                for r in (found["float32"], found["autocast"])
+                for r in found.values()
             ]
             lines.append(f"| {mode} | " + " | ".join(cells) + " |")
         lines.append("")
     figures["iteration_ms"] = {}
+    ways = list(SPEED_WAYS)
     lines += [
-        f"Training iteration, mixedopt.AdamW, autocast(float16), median of {repeat}, ms:",
+        f"Training iteration, mixedopt.AdamW, autocast(float16), median of {repeat}, ms "
+        f"(ratios to {STEPPED}):",
         "",
-        f"| model | {STEPPED} | {IN_BACKWARD} | ratio |",
-        "|---|---:|---:|---:|",
+        "| model | " + " | ".join(ways) + " |",
+        "|---|" + "---:|" * len(ways),
     ]
     for name, (model_layers, model_width, batch) in SPEED_MODELS.items():
         times = iteration_times(model_layers, model_width, batch, repeat, device=device)
         figures["iteration_ms"][name] = times
-        ratio = times[IN_BACKWARD] / times[STEPPED]
-        lines.append(f"| {name} | {times[STEPPED]:.2f} | {times[IN_BACKWARD]:.2f} | {ratio:.2f}x |")
+        base = times[STEPPED]
+        cells = [f"{times[STEPPED]:.2f}"]
+        cells += [f"{times[way]:.2f} = {times[way] / base:.2f}x" for way in ways[1:]]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines), figures
 
 

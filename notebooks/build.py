@@ -878,10 +878,12 @@ soon as backward has stored its gradients, and frees them: the same weights as
 `mixedopt.bench_in_backward` measures the peak of a training iteration (Adam, batch 1, so
 that activations are negligible) in bytes per parameter: everything the model, its optimizer
 and the iteration hold, weights (4 B) and Adam's state (8 B) included, each figure in a fresh
-process. With a float32 forward the mode removes the 2 B of float16 gradients; under
-`autocast(float16)`, autocast keeps a float16 copy of every weight for backward, which takes
-those 2 B at the start of backward in every mode. The full run uses 64 x Linear(1024, 1024)
-(67M parameters), smoke mode 8 x Linear(512, 512) and two of the modes.
+process, for three forwards. With a float32 forward the mode removes the 2 B of float16
+gradients. Under `torch.autocast(float16)`, autocast keeps a float16 copy of every weight for
+backward, which takes those 2 B at the start of backward in every mode. `mixedopt.autocast`
+keeps none (backward casts each weight again when it needs it), so the mode's saving shows
+under autocast too. The full run uses 64 x Linear(1024, 1024) (67M parameters); smoke mode uses
+8 x Linear(512, 512), the two mixedopt modes and the float32 forward.
 """,
     ),
     (
@@ -892,12 +894,15 @@ from mixedopt import bench_in_backward
 if SMOKE:
     in_backward_size = {"layers": 8, "width": 512}
     in_backward_modes = [m for m in bench_in_backward.MEMORY_MODES if m.startswith("mixedopt")]
+    forwards = ["float32"]
 else:
     in_backward_size = {"layers": 64, "width": 1024}
     in_backward_modes = list(bench_in_backward.MEMORY_MODES)
-in_backward_memory = bench_in_backward.memory_table(**in_backward_size, modes=in_backward_modes)
-forwards = list(bench_in_backward.FORWARDS)
-print(f"{'stepping':<36}", *(f"{f + ' forward':>18}" for f in forwards))
+    forwards = list(bench_in_backward.FORWARDS)
+in_backward_memory = bench_in_backward.memory_table(
+    **in_backward_size, modes=in_backward_modes, forwards=forwards
+)
+print(f"{'stepping':<36}", *(f"{f:>18}" for f in forwards))
 for mode, found in in_backward_memory.items():
     cells = [f"{found[f].get('bytes_per_param', float('nan')):18.2f}" for f in forwards]
     print(f"{mode:<36}", *cells)
@@ -907,7 +912,7 @@ width = 0.8 / len(forwards)
 for i, forward in enumerate(forwards):
     values = [found[forward].get("bytes_per_param", 0) for found in in_backward_memory.values()]
     xs = [x + (i - (len(forwards) - 1) / 2) * width for x in range(len(values))]
-    bars = ax.bar(xs, values, width, label=f"{forward} forward")
+    bars = ax.bar(xs, values, width, label=f"forward: {forward}")
     ax.bar_label(bars, fmt="%.2f", fontsize=7)
 ax.axhline(12, color="black", linewidth=0.8, linestyle=":", label="weights + Adam state")
 labels = [mode.replace(", ", "\\n") for mode in in_backward_memory]

@@ -67,8 +67,8 @@ IN_BACKWARD = f"mixedopt.Adam, {bench_in_backward.IN_BACKWARD}"
 STEPPED = f"mixedopt.Adam, {bench_in_backward.STEPPED}"
 
 
-def bytes_per_param(mode):
-    (found,) = bench_in_backward.memory_table(modes=[mode], forwards=["float32"])[mode].values()
+def bytes_per_param(mode, forward="float32"):
+    (found,) = bench_in_backward.memory_table(modes=[mode], forwards=[forward])[mode].values()
     assert "error" not in found, found["error"]
     assert found["params"] >= 64_000_000
     return found["bytes_per_param"]
@@ -80,3 +80,12 @@ def test_updating_backward_peak_is_at_most_12_5_bytes_per_parameter():
 
 def test_the_measurement_sees_the_float16_gradients_of_backward_then_step():
     assert bytes_per_param(STEPPED) >= 13.5
+
+
+def test_updating_backward_under_mixedopt_autocast_peak_is_at_most_12_5_bytes_per_parameter():
+    """torch.autocast's float16 weight copies (2 B/param) are not kept for backward."""
+    assert bytes_per_param(IN_BACKWARD, "mixedopt.autocast") <= 12.5
+
+
+def test_the_measurement_sees_the_weight_copies_torch_autocast_keeps():
+    assert bytes_per_param(IN_BACKWARD, "torch.autocast") >= 13.5

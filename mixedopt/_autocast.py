@@ -1,0 +1,87 @@
+"""``mixedopt.autocast``: ``torch.autocast`` that keeps no low-precision copy of the weights.
+
+``torch.autocast`` casts each float32 weight to float16 (or bfloat16) for the operations that
+run in low precision, keeps the cast in a cache until the autocast region ends, and autograd
+saves it for backward: 2 bytes per parameter held from the forward until backward has used
+them. Stepping in backward frees the gradients as they come, so those copies are then what
+sets the peak of a training iteration.
+
+This context runs ``torch.autocast`` with its cache off, and saves, in place of a tensor that
+is (a view of) a cast of a leaf tensor, the leaf itself and how to cast it again: backward
+casts the weight a second time when it needs it. The cast is deterministic, so backward sees
+the same values and computes the same gradients. It costs one more cast of each weight per
+iteration (and one per use: without the cache, a weight used twice is cast twice).
+
+A weight changed in place between the forward and backward (an optimizer step, say) would be
+cast again from its new value; autograd's own check of the saved copy does not see that, so
+the recast checks the weight's version itself and raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class _Recast:
+    """A saved cast of a leaf tensor, to be made again in backward."""
+
+    __slots__ = ("leaf", "version", "dtype", "size", "stride", "offset")
+
+    def __init__(self, leaf: Tensor, saved: Tensor) -> None:
+        self.leaf = leaf
+        self.version = leaf._version
+        self.dtype = saved.dtype
+        self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
+
+    def tensor(self) -> Tensor:
+        if self.leaf._version != self.version:
+            raise RuntimeError(
+                "mixedopt.autocast: a weight was changed in place between the forward and the "
+                "backward that needs it (an optimizer step, say), so its low-precision cast "
+                "cannot be made again; step after backward, or use torch.autocast"
+            )
+        cast = self.leaf.detach().to(self.dtype)
+        return cast.as_strided(self.size, self.stride, self.offset)
+
+
+def _pack(saved: Tensor) -> Any:
+    base = saved._base if saved._base is not None else saved
+    node = base.grad_fn
+    if node is not None and type(node).__name__ == "ToCopyBackward0":
+        source = node.next_functions[0][0]
+        leaf = getattr(source, "variable", None)  # an AccumulateGrad node's tensor
+        if leaf is not None and leaf.dtype != saved.dtype and leaf.is_floating_point():
+            return _Recast(leaf, saved)
+    return saved
+
+
+def _unpack(packed: Any) -> Tensor:
+    return packed.tensor() if isinstance(packed, _Recast) else packed
+
+
+@contextlib.contextmanager
+def autocast(
+    device_type: str, dtype: torch.dtype | None = None, enabled: bool = True
+) -> Iterator[None]:
+    """``torch.autocast(device_type, dtype, enabled)`` that saves no cast weight for backward.
+
+    Use it for the forward, as ``torch.autocast``::
+
+        with mixedopt.autocast("cuda", dtype=torch.float16):
+            loss = loss_fn(model(x), y)
+        with optimizer.step_in_backward():
+            loss.backward()
+
+    Gradients are the same as under ``torch.autocast``. Backward casts each weight again when
+    it needs it; a weight changed in place since the forward raises a ``RuntimeError``.
+    """
+    with (
+        torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False),
+        torch.autograd.graph.saved_tensors_hooks(_pack, _unpack),
+    ):
+        yield

@@ -1,0 +1,102 @@
+"""mixedopt.autocast: torch.autocast's gradients without saving cast weights for backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import mixedopt
+
+
+def model():
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 16)
+    head = nn.Linear(16, 10, bias=False)
+    head.weight = embedding.weight  # tied: one weight used twice
+    return nn.ModuleDict(
+        {
+            "embedding": embedding,
+            "conv": nn.Conv1d(16, 16, 3, padding=1),
+            "mlp": nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)),
+            "head": head,
+        }
+    )
+
+
+def loss_of(net, tokens):
+    x = net["embedding"](tokens)  # (batch, length, 16)
+    x = net["conv"](x.transpose(1, 2)).transpose(1, 2)
+    return net["head"](net["mlp"](x)).float().square().mean()
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gradients_equal_those_of_torch_autocast(dtype):
+    net, twin = model(), model()
+    tokens = torch.randint(0, 10, (4, 7))
+    with mixedopt.autocast("cpu", dtype=dtype):
+        loss = loss_of(net, tokens)
+    loss.backward()
+    with torch.autocast("cpu", dtype=dtype):
+        reference = loss_of(twin, tokens)
+    reference.backward()
+    assert torch.equal(loss, reference)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+
+
+def two_linears():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+
+
+def test_a_weight_changed_between_forward_and_backward_raises():
+    net = two_linears()  # the second layer's weight is saved: the first layer needs its input
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = net(torch.randn(2, 8)).float().sum()
+    with torch.no_grad():
+        net[2].weight.add_(1.0)
+    with pytest.raises(RuntimeError, match="changed in place between the forward and the"):
+        loss.backward()
+
+
+def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(monkeypatch):
+    from mixedopt import _autocast
+
+    packed = []
+    pack = _autocast._pack
+
+    def recording(saved):
+        packed.append(pack(saved))
+        return packed[-1]
+
+    monkeypatch.setattr(_autocast, "_pack", recording)
+    net = two_linears()
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        net(torch.randn(2, 8)).float().sum().backward()
+    recasts = [p for p in packed if isinstance(p, _autocast._Recast)]
+    assert [r.leaf for r in recasts] == [net[2].weight]
+    tensors = [p for p in packed if torch.is_tensor(p)]
+    assert tensors  # activations are saved as usual
+    for t in tensors:
+        base = t._base if t._base is not None else t
+        assert type(base.grad_fn).__name__ != "ToCopyBackward0"
+
+
+def test_step_in_backward_under_it_gives_the_weights_of_backward_then_step():
+    net, twin = model(), model()
+    opt, ref = mixedopt.Adam(net.parameters()), mixedopt.Adam(twin.parameters())
+    for _ in range(3):
+        tokens = torch.randint(0, 10, (4, 7))
+        with mixedopt.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(net, tokens)
+        with opt.step_in_backward():
+            loss.backward()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss_of(twin, tokens).backward()
+        ref.step()
+        ref.zero_grad()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
