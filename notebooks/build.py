@@ -907,7 +907,7 @@ for mode, found in in_backward_memory.items():
     cells = [f"{found[f].get('bytes_per_param', float('nan')):18.2f}" for f in forwards]
     print(f"{mode:<36}", *cells)
 
-figure, ax = plt.subplots(figsize=(9, 3.6))
+figure, ax = plt.subplots(figsize=(11, 3.6))
 width = 0.8 / len(forwards)
 for i, forward in enumerate(forwards):
     values = [found[forward].get("bytes_per_param", 0) for found in in_backward_memory.values()]
@@ -920,7 +920,7 @@ ax.set_xticks(range(len(labels)), labels, fontsize=8)
 ax.set_ylabel("bytes per parameter at the peak", fontsize=8)
 params = next(iter(in_backward_memory.values()))["float32"].get("params", 0)
 ax.set_title(f"Peak of a training iteration, Adam, {params / 1e6:.0f}M parameters", fontsize=10)
-ax.legend(fontsize=8, loc="lower left")
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
 figure.tight_layout()
 plt.show()
 """,
