@@ -15,6 +15,9 @@ iteration (and one per use: without the cache, a weight used twice is cast twice
 A weight changed in place between the forward and backward (an optimizer step, say) would be
 cast again from its new value; autograd's own check of the saved copy does not see that, so
 the recast checks the weight's version itself and raises.
+
+A ``torch.compile``d model saves the tensors of its compiled graph, which are not casts of a
+leaf to this hook: same gradients, no saving.
 """
 
 from __future__ import annotations

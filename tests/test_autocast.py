@@ -98,3 +98,15 @@ def test_step_in_backward_under_it_gives_the_weights_of_backward_then_step():
         ref.zero_grad()
     for p, q in zip(net.parameters(), twin.parameters(), strict=True):
         assert torch.equal(p, q)
+
+
+def test_a_compiled_model_gets_the_gradients_of_torch_autocast():
+    net, twin = two_linears(), two_linears()
+    x = torch.randn(4, 8)
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = torch.compile(net)(x).float().square().mean()
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.float16):
+        torch.compile(twin)(x).float().square().mean().backward()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
