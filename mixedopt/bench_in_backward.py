@@ -36,7 +36,6 @@ import contextlib
 import gc
 import json
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -195,7 +194,6 @@ def iteration_times(
 ) -> dict[str, float]:
     """Median milliseconds of an iteration in each of ``SPEED_WAYS``, taking turns."""
     x = torch.randn(batch, width, device=device)
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     runs: dict[str, tuple[Callable[[], None], Any, list[float]]] = {}
     for name, (in_backward, forward) in SPEED_WAYS.items():
         model = bench_small.model(layers, width, device=device)
@@ -214,11 +212,7 @@ def iteration_times(
         runs[name] = (run, opt, [])
     for _ in range(repeat):
         for run, _, times in runs.values():
-            sync()
-            start = time.perf_counter()
-            run()
-            sync()
-            times.append(1e3 * (time.perf_counter() - start))
+            times.append(1e3 * bench._timed(run, x.device))
     for _, opt, _ in runs.values():
         opt.remove_grad_storage()
     return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
