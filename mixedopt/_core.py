@@ -1,9 +1,12 @@
 """The mixed-precision machinery shared by every mixedopt optimizer.
 
 ``MixedPrecisionOptimizer`` is a mixin placed before a ``torch.optim`` class. It installs the
-gradient storage (``_storage.py``) at construction. Its ``step()`` finds, for all parameters at
-once, each gradient's factor (1 / storage scale x 1 / loss scale x clip coefficient) and whether
-the step is skipped, then updates each group on one of two paths: the default one
+gradient storage (``_storage.py``) at construction. Its ``step()`` first takes the buckets
+backward stored whose gradients are all its own and untouched (``BucketSteps`` of
+``_bucket_step.py``: nothing per parameter but its state). For the other gradients it finds,
+for all of them at once, each gradient's factor (1 / storage scale x 1 / loss scale x clip
+coefficient); the step is skipped if any gradient of either kind is inf or NaN. It then updates
+each group on one of two paths: the default one
 (``_default_step.py``: float32 gradients in bounded batches, handed to the parent's public
 functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True`` (torch's fused
 update for small parameters where the parent has one, else compiled kernels that read the
@@ -28,12 +31,13 @@ from torch import Tensor
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import _packing
+from ._bucket_step import BucketSteps
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
 from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
 from ._packing import Entry, Workspace, by_device, dense_order, flat_view
-from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, abs_max
+from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, WholeBucket, abs_max
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 _LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
@@ -66,7 +70,7 @@ def _l2_norm(grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
-class MixedPrecisionOptimizer(FusedSteps, torch.optim.Optimizer):
+class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
     """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
 
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
@@ -309,13 +313,15 @@ class MixedPrecisionOptimizer(FusedSteps, torch.optim.Optimizer):
             if found_inf is not None and not torch.is_tensor(found_inf):
                 raise grad_scaler_error(self)
 
-        steps = [(g, self._entries(g["params"])) for g in self.param_groups]
+        buckets = self._take_whole_buckets()
+        taken = {id(param) for bucket in buckets for _, param in bucket.members}
+        steps = [(g, self._entries(g["params"], taken)) for g in self.param_groups]
         steps = [(group, entries) for group, entries in steps if entries]
-        if not steps:
+        if not steps and not buckets:
             return loss
         if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
             self._warn_if_changed_in_place([e for _, entries in steps for e in entries])
-        if self._step_entries(steps, grad_scale, found_inf):
+        if self._step_entries(steps, grad_scale, found_inf, buckets=buckets):
             return loss
 
         self._skipped_on_host += 1
@@ -334,30 +340,44 @@ class MixedPrecisionOptimizer(FusedSteps, torch.optim.Optimizer):
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
         on_host: bool = False,
+        buckets: list[WholeBucket] | None = None,
     ) -> bool:
-        """Update each group's entries; ``False`` where the step is skipped, nothing changed.
+        """Update each group's entries and ``buckets``; ``False`` where the step is skipped.
 
-        Skipped when GradScaler's ``found_inf`` is set or a gradient is inf or NaN. Fused steps
-        on an accelerator decide that on the device (and return ``True``) unless ``on_host``.
+        Skipped, nothing changed, when GradScaler's ``found_inf`` is set or a gradient is inf
+        or NaN. Fused steps on an accelerator decide that on the device (and return ``True``)
+        unless ``on_host``. ``buckets`` take their own path (``BucketSteps``).
         """
-        factors, skip = self._factors_and_skip(
-            [e for _, entries in steps for e in entries], grad_scale, found_inf
+        entries = [e for _, group_entries in steps for e in group_entries]
+        skips, factors = [], None
+        if entries:
+            factors, skip = self._factors_and_skip(entries, grad_scale, found_inf)
+            skips.append(skip)
+        if buckets:
+            unscale, skip = self._bucket_factors_and_skip(buckets, grad_scale, found_inf)
+            skips.append(skip)
+        skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
+        bucket_groups = {index for bucket in buckets or () for index, _ in bucket.members}
+        fused = all(self._fused_ready(group, entries) for group, entries in steps) and all(
+            self._fused_ready(self.param_groups[index], []) for index in bucket_groups
         )
-        fused = all(self._fused_ready(group, entries) for group, entries in steps)
         on_device = fused and skip.device.type != "cpu" and not on_host
         # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
         # old values where it is set, without host synchronisation.
         if not on_device and bool(skip):
             return False
+        if buckets:
+            self._update_buckets(buckets, unscale, skip if on_device else None)
         start = 0
-        for group, entries in steps:
-            group_factors = factors[start : start + len(entries)]
-            start += len(entries)
+        for group, group_entries in steps:
+            assert factors is not None
+            group_factors = factors[start : start + len(group_entries)]
+            start += len(group_entries)
             if fused:
                 device_skip = skip if on_device else None
-                self._fused_step_group(group, entries, group_factors, device_skip)
+                self._fused_step_group(group, group_entries, group_factors, device_skip)
             else:
-                self._step_group(group, entries, group_factors)
+                self._step_group(group, group_entries, group_factors)
         if on_device:
             if self._skipped_on_device is None:
                 self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
@@ -402,14 +422,19 @@ class MixedPrecisionOptimizer(FusedSteps, torch.optim.Optimizer):
             stacklevel=_user_stacklevel(),
         )
 
-    def _entries(self, params: list[Tensor]) -> list[Entry]:
-        """The parameters of ``params`` that have a gradient, as ``step()`` takes them."""
+    def _entries(
+        self, params: list[Tensor], taken: set[int] | frozenset[int] = frozenset()
+    ) -> list[Entry]:
+        """The parameters of ``params`` that have a gradient, as ``step()`` takes them.
+
+        Those whose id is in ``taken`` are left out (a whole bucket takes them).
+        """
         name = type(self).__name__
         storage = self._grad_storage
         found = []
         for p in params:
             grad = p.grad
-            if grad is None:
+            if grad is None or (taken and id(p) in taken):
                 continue
             if grad.is_sparse:
                 raise RuntimeError(

@@ -242,6 +242,22 @@ class _BucketPlan:
         self.staging_views: list[Tensor] = []
 
 
+class WholeBucket:
+    """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
+
+    __slots__ = ("stats", "version", "members", "missing", "stored", "layout", "runs")
+
+    def __init__(self, stats: Tensor, version: int) -> None:
+        self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
+        self.version = version  # of the 16-bit buffer when it was written
+        # (group index, parameter) of each row, in row order.
+        self.members: list[Any] = [None] * stats.shape[0]
+        self.missing = len(self.members)
+        self.stored: Tensor  # the 16-bit buffer of rows, and its layout and views
+        self.layout: RowLayout
+        self.runs: ViewRuns
+
+
 class GradientStorage:
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
 
@@ -511,6 +527,39 @@ class GradientStorage:
             return None
         stored = found[1]()
         return None if stored is None else (stored, found[2].layout, found[2].runs)
+
+    def whole_buckets(self, groups: list[list[Tensor]]) -> list[WholeBucket]:
+        """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.
+
+        Only buckets whose gradients are all still the views this storage wrote, unchanged
+        since (the views share one version counter), qualify; each comes with its parameters
+        in row order. A plain Python pass over the parameters: ``step()`` takes them from here
+        without looking each one up again.
+        """
+        found: dict[int, WholeBucket] = {}
+        slots = self._slots
+        for index, params in enumerate(groups):
+            for param in params:
+                grad = param.grad
+                if grad is None:
+                    continue
+                slot = slots.get(id(param))
+                if slot is None or slot.grad_ref is None or slot.grad_ref() is not grad:
+                    continue
+                stats = slot.stats
+                assert stats is not None
+                bucket = found.get(id(stats))
+                if bucket is None:
+                    bucket = found[id(stats)] = WholeBucket(stats, slot.grad_version)
+                bucket.members[slot.row] = (index, param)
+                bucket.missing -= 1
+        whole = []
+        for bucket in found.values():
+            stored = self.stored_bucket(bucket.stats) if bucket.missing == 0 else None
+            if stored is not None and stored[0]._version == bucket.version:
+                bucket.stored, bucket.layout, bucket.runs = stored
+                whole.append(bucket)
+        return whole
 
     def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
         """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""

@@ -1,0 +1,131 @@
+"""The step of whole buckets: a training loop's small gradients taken as backward stored them.
+
+After a plain ``backward()`` the gradients of small parameters are views of the 16-bit buckets
+the storage wrote (``_storage.py``), each bucket with its stats table (a storage scale and a
+bound on the true gradient per row). When every gradient of a bucket belongs to this
+optimizer, is still that view, unchanged, and its parameter has its state, ``step()`` needs
+nothing per parameter but its state: the bucket's factors are a column of its stats table,
+its inf/NaN check another, its rows are upcast and unscaled with one multiplication into a
+float32 buffer of the same layout, and its views go to the parent's functional update, per
+parameter group. That is ``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``).
+
+Everything else takes the reference path (``MixedPrecisionOptimizer._entries`` and
+``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
+gradient's norm), gradients stored alone, assigned or changed in place, a bucket shared with
+another optimizer, and parameters a ``fused=True`` group updates with compiled kernels. Both
+paths give the same weights and state (``tests/test_bucket_step.py``), and one step may take
+both: the inf/NaN check covers all of its gradients before anything is updated.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._packing import ROW, Workspace, budget
+from ._storage import GradientStorage, WholeBucket
+
+
+class BucketSteps:
+    """Takes and updates the whole buckets of a step; see the module's docstring."""
+
+    # Set by MixedPrecisionOptimizer and torch.optim's classes.
+    param_groups: list[dict[str, Any]]
+    state: Any
+    max_grad_norm: float | None
+    _grad_storage: GradientStorage
+    _workspace: Workspace
+    _torch_fused: bool
+
+    def _state_keys(self, group: dict[str, Any]) -> list[str]:
+        raise NotImplementedError
+
+    def _update(self, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def _take_whole_buckets(self) -> list[WholeBucket]:
+        """The buckets this step updates on its own path (none with ``max_grad_norm``)."""
+        if self.max_grad_norm is not None:
+            return []
+        groups = self.param_groups
+        found = self._grad_storage.whole_buckets([group["params"] for group in groups])
+        if not found:
+            return []
+        keys = [frozenset(self._state_keys(group)) for group in groups]
+        # A fused=True group takes torch's fused update only for parameters up to fused_small
+        # (the larger ones: compiled kernels) and only where the parent has one.
+        fused_limit = [
+            -1
+            if group.get("fused") and not self._torch_fused
+            else budget(found[0].stored.device).fused_small
+            if group.get("fused")
+            else None
+            for group in groups
+        ]
+        state = self.state
+        taken = []
+        for bucket in found:
+            for index, param in bucket.members:
+                limit = fused_limit[index]
+                if limit is not None and param.numel() > limit:
+                    break
+                if keys[index] and not keys[index] <= state.get(param, {}).keys():
+                    break  # its first step creates the state: the reference path
+            else:
+                taken.append(bucket)
+        return taken
+
+    def _bucket_factors_and_skip(
+        self, buckets: list[WholeBucket], grad_scale: Tensor | None, found_inf: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """1 / loss scale, and whether a gradient of ``buckets`` is inf or NaN (0-dim each).
+
+        A bucket's factor per gradient is that over its storage scale (``_update_buckets``).
+        """
+        device = buckets[0].stored.device
+        unscale = torch.ones((), dtype=torch.float32, device=device)
+        if grad_scale is not None:
+            unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
+        if found_inf is not None:  # GradScaler checked every gradient already
+            return unscale, found_inf.to(device) > 0
+        bounds = torch.cat([bucket.stats[:, 1].to(device) for bucket in buckets])
+        return unscale, ~bounds.isfinite().all()
+
+    def _update_buckets(
+        self, buckets: list[WholeBucket], unscale: Tensor, skip: Tensor | None
+    ) -> None:
+        """Update the parameters of ``buckets``, one bucket at a time.
+
+        ``skip`` (on an accelerator, every group fused) goes to torch's fused update as
+        ``found_inf``: nothing changes where it is set, without host synchronisation.
+        """
+        groups = self.param_groups
+        keys = [self._state_keys(group) for group in groups]
+        state = self.state
+        for bucket in buckets:
+            layout, device = bucket.layout, bucket.stored.device
+            rows, grads = self._workspace.run_views(
+                "grad", torch.float32, layout, bucket.runs, device
+            )
+            # A copy, then a float32 multiplication (as the default path upcasts a bucket).
+            rows.copy_(bucket.stored.view(layout.rows, ROW))
+            rows.mul_(layout.per_row(unscale.to(device) / bucket.stats[:, 0].to(device)))
+            by_group: dict[int, list[int]] = {}
+            for row, (index, _) in enumerate(bucket.members):
+                by_group.setdefault(index, []).append(row)
+            for index, chosen in by_group.items():
+                group, members = groups[index], bucket.members
+                params = [members[row][1] for row in chosen]
+                # Like the parent, an optimizer with no state (SGD without momentum) records none.
+                states = [state[p] for p in params] if keys[index] else []
+                found = None if skip is None or not group.get("fused") else skip.to(device).float()
+                self._update(
+                    group,
+                    params,
+                    [grads[row] for row in chosen],
+                    {key: [s[key] for s in states] for key in keys[index]},
+                    [s["step"] for s in states if "step" in s],
+                    found_inf=found,
+                )
