@@ -45,14 +45,17 @@ class BucketSteps:
     def _update(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 
-    def _take_whole_buckets(self) -> list[WholeBucket]:
-        """The buckets this step updates on its own path (none with ``max_grad_norm``)."""
+    def _take_whole_buckets(self) -> tuple[list[WholeBucket], int]:
+        """The buckets this step updates on its own path, and how many gradients it leaves.
+
+        None with ``max_grad_norm``. Each bucket taken has the state of its parameters.
+        """
         if self.max_grad_norm is not None:
-            return []
+            return [], -1  # left: unknown, the reference path looks
         groups = self.param_groups
-        found = self._grad_storage.whole_buckets([group["params"] for group in groups])
+        found, left = self._grad_storage.whole_buckets([group["params"] for group in groups])
         if not found:
-            return []
+            return [], left
         keys = [frozenset(self._state_keys(group)) for group in groups]
         # A fused=True group takes torch's fused update only for parameters up to fused_small
         # (the larger ones: compiled kernels) and only where the parent has one.
@@ -67,15 +70,24 @@ class BucketSteps:
         state = self.state
         taken = []
         for bucket in found:
+            states = []
             for index, param in bucket.members:
                 limit = fused_limit[index]
                 if limit is not None and param.numel() > limit:
                     break
-                if keys[index] and not keys[index] <= state.get(param, {}).keys():
-                    break  # its first step creates the state: the reference path
+                if keys[index]:
+                    found_state = state.get(param)
+                    if found_state is None or not keys[index] <= found_state.keys():
+                        break  # its first step creates the state: the reference path
+                    states.append(found_state)
+                else:  # like the parent, an optimizer without state (SGD) records none
+                    states.append(None)
             else:
+                bucket.states = states
                 taken.append(bucket)
-        return taken
+                continue
+            left += len(bucket.members)
+        return taken, left
 
     def _bucket_factors_and_skip(
         self, buckets: list[WholeBucket], grad_scale: Tensor | None, found_inf: Tensor | None
@@ -103,7 +115,6 @@ class BucketSteps:
         """
         groups = self.param_groups
         keys = [self._state_keys(group) for group in groups]
-        state = self.state
         for bucket in buckets:
             layout, device = bucket.layout, bucket.stored.device
             rows, grads = self._workspace.run_views(
@@ -117,13 +128,11 @@ class BucketSteps:
                 by_group.setdefault(index, []).append(row)
             for index, chosen in by_group.items():
                 group, members = groups[index], bucket.members
-                params = [members[row][1] for row in chosen]
-                # Like the parent, an optimizer with no state (SGD without momentum) records none.
-                states = [state[p] for p in params] if keys[index] else []
+                states = [bucket.states[row] for row in chosen] if keys[index] else []
                 found = None if skip is None or not group.get("fused") else skip.to(device).float()
                 self._update(
                     group,
-                    params,
+                    [members[row][1] for row in chosen],
                     [grads[row] for row in chosen],
                     {key: [s[key] for s in states] for key in keys[index]},
                     [s["step"] for s in states if "step" in s],

@@ -313,10 +313,12 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
             if found_inf is not None and not torch.is_tensor(found_inf):
                 raise grad_scaler_error(self)
 
-        buckets = self._take_whole_buckets()
-        taken = {id(param) for bucket in buckets for _, param in bucket.members}
-        steps = [(g, self._entries(g["params"], taken)) for g in self.param_groups]
-        steps = [(group, entries) for group, entries in steps if entries]
+        buckets, left = self._take_whole_buckets()
+        steps = []
+        if left:  # gradients outside the whole buckets (-1: not looked for)
+            taken = {id(param) for bucket in buckets for _, param in bucket.members}
+            steps = [(g, self._entries(g["params"], taken)) for g in self.param_groups]
+            steps = [(group, entries) for group, entries in steps if entries]
         if not steps and not buckets:
             return loss
         if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
@@ -520,7 +522,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
         """
         foreach = group["foreach"]
         if foreach is None and params and params[0].device.type == "cpu":
-            elements = sum(p.numel() for p in params)
+            elements = sum(map(Tensor.numel, params))
             return elements <= _packing.CPU_SMALL * len(params)
         return foreach
 

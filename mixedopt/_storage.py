@@ -245,7 +245,7 @@ class _BucketPlan:
 class WholeBucket:
     """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
 
-    __slots__ = ("stats", "version", "members", "missing", "stored", "layout", "runs")
+    __slots__ = ("stats", "version", "members", "missing", "stored", "layout", "runs", "states")
 
     def __init__(self, stats: Tensor, version: int) -> None:
         self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
@@ -256,6 +256,7 @@ class WholeBucket:
         self.stored: Tensor  # the 16-bit buffer of rows, and its layout and views
         self.layout: RowLayout
         self.runs: ViewRuns
+        self.states: list[Any] = []  # the optimizer's state of each parameter (step())
 
 
 class GradientStorage:
@@ -528,16 +529,18 @@ class GradientStorage:
         stored = found[1]()
         return None if stored is None else (stored, found[2].layout, found[2].runs)
 
-    def whole_buckets(self, groups: list[list[Tensor]]) -> list[WholeBucket]:
+    def whole_buckets(self, groups: list[list[Tensor]]) -> tuple[list[WholeBucket], int]:
         """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.
 
         Only buckets whose gradients are all still the views this storage wrote, unchanged
         since (the views share one version counter), qualify; each comes with its parameters
-        in row order. A plain Python pass over the parameters: ``step()`` takes them from here
-        without looking each one up again.
+        in row order. Also how many parameters of ``groups`` have a gradient outside them. A
+        plain Python pass over the parameters: ``step()`` takes them from here without looking
+        each one up again.
         """
         found: dict[int, WholeBucket] = {}
         slots = self._slots
+        others = 0
         for index, params in enumerate(groups):
             for param in params:
                 grad = param.grad
@@ -545,6 +548,7 @@ class GradientStorage:
                     continue
                 slot = slots.get(id(param))
                 if slot is None or slot.grad_ref is None or slot.grad_ref() is not grad:
+                    others += 1
                     continue
                 stats = slot.stats
                 assert stats is not None
@@ -559,7 +563,9 @@ class GradientStorage:
             if stored is not None and stored[0]._version == bucket.version:
                 bucket.stored, bucket.layout, bucket.runs = stored
                 whole.append(bucket)
-        return whole
+            else:
+                others += len(bucket.members) - bucket.missing
+        return whole, others
 
     def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
         """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""

@@ -48,9 +48,9 @@ def train(make, shapes, seed, steps, backwards, whole_buckets, change=None):
     taken = []
 
     def counting(self):
-        found = TAKE(self) if whole_buckets else []
+        found, left = TAKE(self) if whole_buckets else ([], -1)
         taken.append(len(found))
-        return found
+        return found, left
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
@@ -88,11 +88,12 @@ def settings(draw):
     shapes=SHAPES,
     grouped=st.booleans(),
     capacity=st.sampled_from([1 << 20, 128, 64]),
+    small=st.sampled_from([1 << 15, 12]),
     backwards=st.integers(1, 2),
     seed=st.integers(0, 2**16),
 )
 def test_whole_buckets_update_as_the_reference_path_does(
-    setting, shapes, grouped, capacity, backwards, seed
+    setting, shapes, grouped, capacity, small, backwards, seed
 ):
     name, kwargs = setting
 
@@ -101,10 +102,11 @@ def test_whole_buckets_update_as_the_reference_path_does(
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mixedopt._packing, "CPU_CAPACITY", capacity)  # one bucket or several
+        patch.setattr(mixedopt._packing, "CPU_SMALL", small)  # 12: larger gradients alone
         fast = train(make, shapes, seed, 3, backwards, whole_buckets=True)
         reference = train(make, shapes, seed, 3, backwards, whole_buckets=False)
     assert_same(fast, reference)
-    if any(torch.Size(s).numel() for s in shapes):
+    if any(0 < torch.Size(s).numel() <= small for s in shapes):
         assert fast[2] >= 2  # steps 2 and 3: the first one creates the state
 
 
@@ -118,9 +120,9 @@ def test_gradscaler_steps_whole_buckets_as_the_reference_path_does(name):
         taken = []
 
         def counting(self, whole_buckets=whole_buckets, taken=taken):
-            found = TAKE(self) if whole_buckets else []
+            found, left = TAKE(self) if whole_buckets else ([], -1)
             taken.append(len(found))
-            return found
+            return found, left
 
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
@@ -148,9 +150,9 @@ def test_an_inf_written_into_a_stored_bucket_skips_the_step_and_changes_nothing(
     weights = [p.detach().clone() for p in params]
     states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     backward(params, 1)
-    assert len(opt._take_whole_buckets()) == 1
+    assert len(opt._take_whole_buckets()[0]) == 1
     params[1].grad.view(-1)[0] = float("inf")  # in place: the storage's bound no longer holds
-    assert opt._take_whole_buckets() == []  # so the reference path reads the gradient
+    assert opt._take_whole_buckets()[0] == []  # so the reference path reads the gradient
     with pytest.warns(RuntimeWarning, match="inf or NaN"):
         opt.step()
     assert opt.skipped_steps == 1
@@ -168,7 +170,7 @@ def test_a_stored_inf_gradient_skips_the_whole_bucket_step():
     weights = [p.detach().clone() for p in params]
     buffers = [opt.state[p]["momentum_buffer"].clone() for p in params]
     backward(params, 1, magnitude=40.0)  # 1e40 overflows float32: inf as backward stores it
-    assert len(opt._take_whole_buckets()) == 1
+    assert len(opt._take_whole_buckets()[0]) == 1
     with pytest.warns(RuntimeWarning, match="inf or NaN"):
         opt.step()
     assert opt.skipped_steps == 1
@@ -182,7 +184,7 @@ def test_a_bucket_shared_with_another_optimizer_takes_the_reference_path():
     first, second = mixedopt.Adam(params[0::2]), mixedopt.SGD(params[1::2], lr=0.1)
     for step in range(2):
         backward(params, step)
-        assert first._take_whole_buckets() == second._take_whole_buckets() == []
+        assert first._take_whole_buckets()[0] == second._take_whole_buckets()[0] == []
         first.step()
         second.step()
         first.zero_grad()
@@ -208,6 +210,6 @@ def test_max_grad_norm_takes_the_reference_path():
     opt = mixedopt.Adam(params, max_grad_norm=1.0)
     for step in range(2):
         backward(params, step)
-        assert opt._take_whole_buckets() == []
+        assert opt._take_whole_buckets()[0] == []
         opt.step()
         opt.zero_grad()
