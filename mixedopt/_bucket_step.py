@@ -91,22 +91,24 @@ class BucketSteps:
 
     def _bucket_factors_and_skip(
         self, buckets: list[WholeBucket], grad_scale: Tensor | None, found_inf: Tensor | None
-    ) -> tuple[Tensor, Tensor]:
-        """1 / loss scale, and whether a gradient of ``buckets`` is inf or NaN (0-dim each).
+    ) -> tuple[Tensor | None, Tensor]:
+        """1 / loss scale (``None``: 1), and whether a gradient of ``buckets`` is inf or NaN.
 
         A bucket's factor per gradient is that over its storage scale (``_update_buckets``).
         """
         device = buckets[0].stored.device
-        unscale = torch.ones((), dtype=torch.float32, device=device)
+        unscale = None
         if grad_scale is not None:
             unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
         if found_inf is not None:  # GradScaler checked every gradient already
             return unscale, found_inf.to(device) > 0
-        bounds = torch.cat([bucket.stats[:, 1].to(device) for bucket in buckets])
-        return unscale, ~bounds.isfinite().all()
+        bounds = [bucket.stats[:, 1] for bucket in buckets]
+        if len(bounds) > 1:
+            bounds = [torch.cat([bound.to(device) for bound in bounds])]
+        return unscale, ~bounds[0].isfinite().all()
 
     def _update_buckets(
-        self, buckets: list[WholeBucket], unscale: Tensor, skip: Tensor | None
+        self, buckets: list[WholeBucket], unscale: Tensor | None, skip: Tensor | None
     ) -> None:
         """Update the parameters of ``buckets``, one bucket at a time.
 
@@ -122,7 +124,9 @@ class BucketSteps:
             )
             # A copy, then a float32 multiplication (as the default path upcasts a bucket).
             rows.copy_(bucket.stored.view(layout.rows, ROW))
-            rows.mul_(layout.per_row(unscale.to(device) / bucket.stats[:, 0].to(device)))
+            scales = bucket.stats[:, 0].to(device)
+            factors = scales.reciprocal() if unscale is None else unscale.to(device) / scales
+            rows.mul_(layout.per_row(factors))
             by_group: dict[int, list[int]] = {}
             for row, (index, _) in enumerate(bucket.members):
                 by_group.setdefault(index, []).append(row)
