@@ -45,15 +45,20 @@ class BucketSteps:
     def _update(self, *args: Any, **kwargs: Any) -> None:
         raise NotImplementedError
 
-    def _take_whole_buckets(self) -> tuple[list[WholeBucket], int]:
+    def _take_whole_buckets(
+        self, params: list[list[Tensor]] | None = None
+    ) -> tuple[list[WholeBucket], int]:
         """The buckets this step updates on its own path, and how many gradients it leaves.
 
-        None with ``max_grad_norm``. Each bucket taken has the state of its parameters.
+        Among ``params`` (a list per parameter group; default: all of them). None with
+        ``max_grad_norm``. Each bucket taken has the state of its parameters.
         """
         if self.max_grad_norm is not None:
             return [], -1  # left: unknown, the reference path looks
         groups = self.param_groups
-        found, left = self._grad_storage.whole_buckets([group["params"] for group in groups])
+        if params is None:
+            params = [group["params"] for group in groups]
+        found, left = self._grad_storage.whole_buckets(params)
         if not found:
             return [], left
         keys = [frozenset(self._state_keys(group)) for group in groups]

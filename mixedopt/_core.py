@@ -313,12 +313,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
             if found_inf is not None and not torch.is_tensor(found_inf):
                 raise grad_scaler_error(self)
 
-        buckets, left = self._take_whole_buckets()
-        steps = []
-        if left:  # gradients outside the whole buckets (-1: not looked for)
-            taken = {id(param) for bucket in buckets for _, param in bucket.members}
-            steps = [(g, self._entries(g["params"], taken)) for g in self.param_groups]
-            steps = [(group, entries) for group, entries in steps if entries]
+        buckets, steps = self._collect()
         if not steps and not buckets:
             return loss
         if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
@@ -423,6 +418,25 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
             UserWarning,
             stacklevel=_user_stacklevel(),
         )
+
+    def _collect(
+        self, params: list[list[Tensor]] | None = None
+    ) -> tuple[list[WholeBucket], list[tuple[dict[str, Any], list[Entry]]]]:
+        """What a step updates: the whole buckets, and the other gradients per group.
+
+        Among ``params`` (a list per parameter group; default: all of them).
+        """
+        buckets, left = self._take_whole_buckets(params)
+        if not left:  # every gradient is in a whole bucket (-1: not looked for)
+            return buckets, []
+        taken = {id(param) for bucket in buckets for _, param in bucket.members}
+        if params is None:
+            params = [group["params"] for group in self.param_groups]
+        steps = [
+            (group, self._entries(chosen, taken))
+            for group, chosen in zip(self.param_groups, params, strict=True)
+        ]
+        return buckets, [(group, entries) for group, entries in steps if entries]
 
     def _entries(
         self, params: list[Tensor], taken: set[int] | frozenset[int] = frozenset()

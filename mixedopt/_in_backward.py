@@ -5,8 +5,9 @@ optimizer.step(); optimizer.zero_grad()`` does, without ever holding the gradien
 model. The gradient storage (``_storage.py``) stores the gradients of a backward bucket by bucket
 (and a large gradient on its own); while the mode is on, it hands each stored bucket to
 ``UpdatingBackward.consume``, which updates those parameters with ``step()``'s own machinery
-(``MixedPrecisionOptimizer._step_entries``: the same factors, the same functional update, so the
-same weights) and frees their gradients. At its end the mode runs ``optimizer.step()`` once, for
+(``MixedPrecisionOptimizer._collect`` and ``_step_entries``: a bucket taken whole as ``step()``
+takes it, the same factors, the same functional update, so the same weights) and frees their
+gradients. At its end the mode runs ``optimizer.step()`` once, for
 the parameters that got no gradient in this backward but hold one from earlier micro-batches,
 for the step hooks, and for the LR schedulers that count steps.
 
@@ -49,8 +50,9 @@ class UpdatingBackward:
 
     def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
         self.optimizer = optimizer
-        self.params = [p for group in optimizer.param_groups for p in group["params"]]
-        self.group_of = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+        groups = optimizer.param_groups
+        self.params = [p for group in groups for p in group["params"]]
+        self.group_of = {id(p): i for i, group in enumerate(groups) for p in group["params"]}
         # Autograd runs each device's hooks on a thread of its own: one update at a time (they
         # share the optimizer's state and buffers).
         self.lock = threading.Lock()
@@ -162,13 +164,13 @@ class UpdatingBackward:
             self._discard(params)
             return
         optimizer = self.optimizer
-        by_group: dict[int, tuple[dict[str, Any], list[Tensor]]] = {}
+        by_group: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
         for p in params:
-            group = self.group_of[id(p)]
-            by_group.setdefault(id(group), (group, []))[1].append(p)
-        steps = [(group, optimizer._entries(chosen)) for group, chosen in by_group.values()]
-        steps = [(group, entries) for group, entries in steps if entries]
-        if steps and not optimizer._step_entries(steps, None, None, on_host=True):
+            by_group[self.group_of[id(p)]].append(p)
+        buckets, steps = optimizer._collect(by_group)  # as step() takes them
+        if (steps or buckets) and not optimizer._step_entries(
+            steps, None, None, on_host=True, buckets=buckets
+        ):
             self.stopped = True
             self._discard(params)
             return

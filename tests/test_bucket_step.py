@@ -47,8 +47,8 @@ def train(make, shapes, seed, steps, backwards, whole_buckets, change=None):
     opt = make(params)
     taken = []
 
-    def counting(self):
-        found, left = TAKE(self) if whole_buckets else ([], -1)
+    def counting(self, params=None):
+        found, left = TAKE(self, params) if whole_buckets else ([], -1)
         taken.append(len(found))
         return found, left
 
@@ -119,8 +119,8 @@ def test_gradscaler_steps_whole_buckets_as_the_reference_path_does(name):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
         taken = []
 
-        def counting(self, whole_buckets=whole_buckets, taken=taken):
-            found, left = TAKE(self) if whole_buckets else ([], -1)
+        def counting(self, params=None, whole_buckets=whole_buckets, taken=taken):
+            found, left = TAKE(self, params) if whole_buckets else ([], -1)
             taken.append(len(found))
             return found, left
 
@@ -131,14 +131,9 @@ def test_gradscaler_steps_whole_buckets_as_the_reference_path_does(name):
                 scaler.step(opt)
                 scaler.update()
                 opt.zero_grad()
-        results.append(([p.detach() for p in params], [dict(opt.state[p]) for p in params]))
+        results.append(([p.detach() for p in params], [dict(opt.state[p]) for p in params], 0))
         assert (sum(taken) >= 2) if whole_buckets else sum(taken) == 0
-    (weights, states), (ref_weights, ref_states) = results
-    for p, q in zip(weights, ref_weights, strict=True):
-        assert torch.equal(p, q)
-    for state, ref_state in zip(states, ref_states, strict=True):
-        for key, value in ref_state.items():
-            assert torch.equal(state[key], value), key
+    assert_same(*results)
 
 
 def test_an_inf_written_into_a_stored_bucket_skips_the_step_and_changes_nothing():
@@ -213,3 +208,28 @@ def test_max_grad_norm_takes_the_reference_path():
         assert opt._take_whole_buckets()[0] == []
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_step_in_backward_takes_whole_buckets_as_the_reference_path_does(name):
+    results = []
+    for whole_buckets in (True, False):
+        params = params_of([(3, 4), (5,), (64,), (17,)], 0)
+        opt = OPTIMIZERS[name][0](params, lr=1e-3)
+        taken = []
+
+        def counting(self, params=None, whole_buckets=whole_buckets, taken=taken):
+            found, left = TAKE(self, params) if whole_buckets else ([], -1)
+            taken.append(len(found))
+            return found, left
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(mixedopt._packing, "CPU_CAPACITY", 128)  # buckets of a few gradients
+            patch.setattr(mixedopt._packing, "CPU_SMALL", 16)  # (64,) and (17,) stored alone
+            patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
+            for step in range(3):
+                with opt.step_in_backward():
+                    backward(params, step)
+        results.append(([p.detach() for p in params], [dict(opt.state[p]) for p in params], 0))
+        assert (sum(taken) >= 2) if whole_buckets else sum(taken) == 0
+    assert_same(*results)

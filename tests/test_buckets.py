@@ -221,7 +221,7 @@ def train_twice(name, kwargs, shapes, seed, steps, backwards):
             patch.setattr(mixedopt._default_step, "_whole_buckets", counting)
             # The whole-bucket step (tests/test_bucket_step.py) would take them first.
             patch.setattr(
-                mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", lambda _: ([], -1)
+                mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", lambda *_: ([], -1)
             )
             for step in range(steps):
                 for b in range(backwards):
