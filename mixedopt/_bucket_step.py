@@ -62,23 +62,16 @@ class BucketSteps:
         if not found:
             return [], left
         keys = [frozenset(self._state_keys(group)) for group in groups]
-        # A fused=True group takes torch's fused update only for parameters up to fused_small
-        # (the larger ones: compiled kernels) and only where the parent has one.
-        fused_limit = [
-            -1
-            if group.get("fused") and not self._torch_fused
-            else budget(found[0].stored.device).fused_small
-            if group.get("fused")
-            else None
-            for group in groups
-        ]
+        fused = [bool(group.get("fused")) for group in groups]
         state = self.state
         taken = []
         for bucket in found:
+            fused_small = budget(bucket.stored.device).fused_small
             states = []
             for index, param in bucket.members:
-                limit = fused_limit[index]
-                if limit is not None and param.numel() > limit:
+                # fused=True takes torch's fused update for parameters up to fused_small where
+                # the parent has one; the others get compiled kernels: the reference path.
+                if fused[index] and (not self._torch_fused or param.numel() > fused_small):
                     break
                 if keys[index]:
                     found_state = state.get(param)
