@@ -6,6 +6,8 @@ gradient then goes through ``_entries`` and ``_step_entries``. Results must be b
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from helpers import OPTIMIZERS, SHAPES, hyperparameters
@@ -41,19 +43,26 @@ def two_groups(params, kwargs):
     return groups
 
 
-def train(make, shapes, seed, steps, backwards, whole_buckets, change=None):
-    """Weights and states after ``steps``; how many buckets the whole-bucket step took."""
-    params = params_of(shapes, seed)
-    opt = make(params)
+@contextlib.contextmanager
+def counted_whole_buckets(enabled):
+    """Count the whole buckets steps take; ``enabled=False``: none (the reference path)."""
     taken = []
 
     def counting(self, params=None):
-        found, left = TAKE(self, params) if whole_buckets else ([], -1)
+        found, left = TAKE(self, params) if enabled else ([], -1)
         taken.append(len(found))
         return found, left
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
+        yield taken
+
+
+def train(make, shapes, seed, steps, backwards, whole_buckets, change=None):
+    """Weights and states after ``steps``; how many buckets the whole-bucket step took."""
+    params = params_of(shapes, seed)
+    opt = make(params)
+    with counted_whole_buckets(whole_buckets) as taken:
         for step in range(steps):
             for b in range(backwards):
                 backward(params, seed + 10 * step + b, magnitude=float(step - b))
@@ -117,15 +126,7 @@ def test_gradscaler_steps_whole_buckets_as_the_reference_path_does(name):
         params = params_of([(3, 4), (5,), (64,)], 0)
         opt = OPTIMIZERS[name][0](params, lr=1e-3)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-        taken = []
-
-        def counting(self, params=None, whole_buckets=whole_buckets, taken=taken):
-            found, left = TAKE(self, params) if whole_buckets else ([], -1)
-            taken.append(len(found))
-            return found, left
-
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
+        with counted_whole_buckets(whole_buckets) as taken:
             for step in range(3):
                 backward(params, step, scaler)
                 scaler.step(opt)
@@ -216,17 +217,9 @@ def test_step_in_backward_takes_whole_buckets_as_the_reference_path_does(name):
     for whole_buckets in (True, False):
         params = params_of([(3, 4), (5,), (64,), (17,)], 0)
         opt = OPTIMIZERS[name][0](params, lr=1e-3)
-        taken = []
-
-        def counting(self, params=None, whole_buckets=whole_buckets, taken=taken):
-            found, left = TAKE(self, params) if whole_buckets else ([], -1)
-            taken.append(len(found))
-            return found, left
-
-        with pytest.MonkeyPatch.context() as patch:
+        with pytest.MonkeyPatch.context() as patch, counted_whole_buckets(whole_buckets) as taken:
             patch.setattr(mixedopt._packing, "CPU_CAPACITY", 128)  # buckets of a few gradients
             patch.setattr(mixedopt._packing, "CPU_SMALL", 16)  # (64,) and (17,) stored alone
-            patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
             for step in range(3):
                 with opt.step_in_backward():
                     backward(params, step)
