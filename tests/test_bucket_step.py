@@ -89,7 +89,7 @@ def settings(draw):
     kwargs = draw(hyperparameters(name))
     if name != "RMSprop" and draw(st.booleans()):  # torch's fused update takes the buckets
         kwargs = {**kwargs, "foreach": None, "fused": True}
-    return name, kwargs
+    return name, kwargs, draw(st.sampled_from([torch.float16, torch.bfloat16]))
 
 
 @given(
@@ -104,10 +104,11 @@ def settings(draw):
 def test_whole_buckets_update_as_the_reference_path_does(
     setting, shapes, grouped, capacity, small, backwards, seed
 ):
-    name, kwargs = setting
+    name, kwargs, grad_dtype = setting
 
     def make(params):
-        return OPTIMIZERS[name][0](two_groups(params, kwargs) if grouped else params, **kwargs)
+        groups = two_groups(params, kwargs) if grouped else params
+        return OPTIMIZERS[name][0](groups, grad_dtype=grad_dtype, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(mixedopt._packing, "CPU_CAPACITY", capacity)  # one bucket or several
