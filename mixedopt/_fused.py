@@ -23,6 +23,7 @@ these kernels are tested against.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -237,13 +238,22 @@ RECOMPILE_LIMIT = 64
 _over_limit: set[Callable[..., None]] = set()  # warned about
 
 
+def recompiles_allowed() -> contextlib.AbstractContextManager[Any]:
+    """The context ``run`` calls must be made in: dynamo's recompile limit at ``RECOMPILE_LIMIT``.
+
+    Entered once around a step's calls, not per call: patching the config costs tens of
+    microseconds, more than some calls.
+    """
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+
+
 def run(kernel: Callable[..., None], arguments: tuple[Any, ...]) -> bool:
     """Run the compiled ``kernel``; False (after one warning) when no compiler is available.
 
-    A parameter of fewer than 2 elements runs eagerly: compiled with dynamic shapes, sizes 0 and
-    1 would each be compiled again. So does a call of a new layout once the kernel has
-    ``RECOMPILE_LIMIT`` compiled variants (after one warning): the same arithmetic, in several
-    passes.
+    Called inside ``recompiles_allowed()``. A parameter of fewer than 2 elements runs eagerly:
+    compiled with dynamic shapes, sizes 0 and 1 would each be compiled again. So does a call of
+    a new layout once the kernel has ``RECOMPILE_LIMIT`` compiled variants (after one warning):
+    the same arithmetic, in several passes.
     """
     global _unavailable_reason
     if _unavailable_reason is not None:
@@ -252,8 +262,7 @@ def run(kernel: Callable[..., None], arguments: tuple[Any, ...]) -> bool:
         kernel(*arguments)
         return True
     try:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            compiled(kernel)(*arguments)
+        compiled(kernel)(*arguments)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         # Compilation fails before anything is written: the caller falls back safely.
         _unavailable_reason = str(error).splitlines()[0]

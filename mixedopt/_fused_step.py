@@ -86,6 +86,22 @@ def fused_update(
     call shares (the skip flag, then the group's hyperparameters). Returns the indices of the
     entries left not updated because no compiler works here (after one warning).
     """
+    with _fused.recompiles_allowed():
+        return _fused_update(
+            kernel, keys, state_order, entries, factors, coefficients, shared, workspace
+        )
+
+
+def _fused_update(
+    kernel: Callable[..., None],
+    keys: Sequence[str],
+    state_order: Sequence[str],
+    entries: Sequence[Entry],
+    factors: Tensor,
+    coefficients: Sequence[Tensor],
+    shared: tuple[Any, ...],
+    workspace: Workspace,
+) -> list[int]:
     device = factors.device
     limits = budget(device)
     # A pack holds one gradient dtype.
