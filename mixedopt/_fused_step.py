@@ -86,53 +86,38 @@ def fused_update(
     call shares (the skip flag, then the group's hyperparameters). Returns the indices of the
     entries left not updated because no compiler works here (after one warning).
     """
-    with _fused.recompiles_allowed():
-        return _fused_update(
-            kernel, keys, state_order, entries, factors, coefficients, shared, workspace
+    with _fused.recompiles_allowed():  # for all calls of this step
+        device = factors.device
+        limits = budget(device)
+        # A pack holds one gradient dtype.
+        packed, large = packs(
+            entries, limits.fused_small, limits.capacity, lambda i: entries[i].grad.dtype
         )
-
-
-def _fused_update(
-    kernel: Callable[..., None],
-    keys: Sequence[str],
-    state_order: Sequence[str],
-    entries: Sequence[Entry],
-    factors: Tensor,
-    coefficients: Sequence[Tensor],
-    shared: tuple[Any, ...],
-    workspace: Workspace,
-) -> list[int]:
-    device = factors.device
-    limits = budget(device)
-    # A pack holds one gradient dtype.
-    packed, large = packs(
-        entries, limits.fused_small, limits.capacity, lambda i: entries[i].grad.dtype
-    )
-    done: list[int] = []
-    for pack in packed:
-        index = workspace.index(pack, device)
-        chosen = [entries[i] for i in pack]
-        if not _run_pack(
-            kernel, keys, state_order, chosen, index, factors, coefficients, shared, workspace
-        ):
-            return sorted(set(range(len(entries))) - set(done))
-        done += pack
-    for i in large:
-        e = entries[i]
-        param, grad, states = _large_tensors(e, keys, workspace)
-        by_key = dict(zip(keys, states, strict=True))
-        arguments = (
-            param,
-            grad,
-            factors[i],
-            *[by_key.get(key) for key in state_order],
-            *[c[i] for c in coefficients],
-            *shared,
-        )
-        if not _fused.run(kernel, arguments):
-            return sorted(set(range(len(entries))) - set(done))
-        done.append(i)
-    return []
+        done: list[int] = []
+        for pack in packed:
+            index = workspace.index(pack, device)
+            chosen = [entries[i] for i in pack]
+            if not _run_pack(
+                kernel, keys, state_order, chosen, index, factors, coefficients, shared, workspace
+            ):
+                return sorted(set(range(len(entries))) - set(done))
+            done += pack
+        for i in large:
+            e = entries[i]
+            param, grad, states = _large_tensors(e, keys, workspace)
+            by_key = dict(zip(keys, states, strict=True))
+            arguments = (
+                param,
+                grad,
+                factors[i],
+                *[by_key.get(key) for key in state_order],
+                *[c[i] for c in coefficients],
+                *shared,
+            )
+            if not _fused.run(kernel, arguments):
+                return sorted(set(range(len(entries))) - set(done))
+            done.append(i)
+        return []
 
 
 def _run_pack(
