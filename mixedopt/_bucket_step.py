@@ -24,7 +24,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._packing import ROW, Workspace, budget
+from ._default_step import upcast_stored
+from ._packing import Workspace, budget
 from ._storage import GradientStorage, WholeBucket
 
 
@@ -116,15 +117,12 @@ class BucketSteps:
         groups = self.param_groups
         keys = [self._state_keys(group) for group in groups]
         for bucket in buckets:
-            layout, device = bucket.layout, bucket.stored.device
-            rows, grads = self._workspace.run_views(
-                "grad", torch.float32, layout, bucket.runs, device
-            )
-            # A copy, then a float32 multiplication (as the default path upcasts a bucket).
-            rows.copy_(bucket.stored.view(layout.rows, ROW))
+            device = bucket.stored.device
             scales = bucket.stats[:, 0].to(device)
             factors = scales.reciprocal() if unscale is None else unscale.to(device) / scales
-            rows.mul_(layout.per_row(factors))
+            grads = upcast_stored(
+                self._workspace, bucket.stored, bucket.layout, bucket.runs, factors
+            )
             by_group: dict[int, list[int]] = {}
             for row, (index, _) in enumerate(bucket.members):
                 by_group.setdefault(index, []).append(row)

@@ -160,6 +160,22 @@ def _upcast(workspace: Workspace, batch: Batch, factors: Tensor) -> list[Tensor]
     return views
 
 
+def upcast_stored(
+    workspace: Workspace, stored: Tensor, layout: RowLayout, runs: ViewRuns, factors: Tensor
+) -> list[Tensor]:
+    """Float32 ``grad * factor`` of each gradient of a stored bucket (``factors`` one each).
+
+    Views of the workspace's float32 buffer in the bucket's layout, written from its 16-bit
+    rows.
+    """
+    rows, grads = workspace.run_views("grad", torch.float32, layout, runs, factors.device)
+    # A copy, then a float32 multiplication: faster on a CPU than one multiplication from
+    # 16-bit inputs, which does not vectorise there.
+    rows.copy_(stored.view(layout.rows, ROW))
+    rows.mul_(layout.per_row(factors))
+    return grads
+
+
 def _whole_buckets(
     entries: list[Entry], stored_bucket: StoredBucket, device: torch.device
 ) -> tuple[list[tuple[list[int], Tensor, RowLayout, ViewRuns]], list[int]]:
@@ -208,12 +224,8 @@ def default_update(
         whole, rest = _whole_buckets(entries, stored_bucket, device)
         for ordered, stored, layout, runs in whole:
             chosen = [entries[i] for i in ordered]
-            rows, grads = workspace.run_views("grad", torch.float32, layout, runs, device)
-            row_factors = layout.per_row(factors[workspace.index(ordered, device)])
-            # A copy, then a float32 multiplication: faster on a CPU than one multiplication
-            # from 16-bit inputs, which does not vectorise there.
-            rows.copy_(stored.view(layout.rows, ROW))
-            rows.mul_(row_factors)
+            bucket_factors = factors[workspace.index(ordered, device)]
+            grads = upcast_stored(workspace, stored, layout, runs, bucket_factors)
             states = {key: [e.state.get(key) for e in chosen] for key in keys}
             steps = [step for e in chosen if (step := e.state.get("step")) is not None]
             update([e.param for e in chosen], grads, states, steps)

@@ -7,9 +7,9 @@ model. The gradient storage (``_storage.py``) stores the gradients of a backward
 ``UpdatingBackward.consume``, which updates those parameters with ``step()``'s own machinery
 (``MixedPrecisionOptimizer._collect`` and ``_step_entries``: a bucket taken whole as ``step()``
 takes it, the same factors, the same functional update, so the same weights) and frees their
-gradients. At its end the mode runs ``optimizer.step()`` once, for
-the parameters that got no gradient in this backward but hold one from earlier micro-batches,
-for the step hooks, and for the LR schedulers that count steps.
+gradients. At its end the mode runs ``optimizer.step()`` once, for the parameters that got no
+gradient in this backward but hold one from earlier micro-batches, for the step hooks, and for
+the LR schedulers that count steps.
 
 What needs every gradient before the first update is refused, not approximated: clipping by the
 global norm (``max_grad_norm``) and GradScaler, whose skip-on-inf decides the whole step. A
