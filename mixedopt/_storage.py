@@ -66,7 +66,9 @@ from ._packing import (
     LayoutCache,
     RowLayout,
     ViewRuns,
+    dense_order,
     dense_strides,
+    flat_view,
     rows_for,
 )
 
@@ -285,8 +287,9 @@ class GradientStorage:
         # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
         self._staging: dict[torch.device, Tensor] = {}
         self._staging_generation = 0  # advances when a staging buffer is replaced
-        # Per device: the layout last written into the staging buffer, and its rows.
-        self._staging_rows: dict[torch.device, tuple[RowLayout, Tensor]] = {}
+        # Per device: the layout last written into the staging buffer, and its rows (no layout:
+        # the buffer was used as scratch, ``_scratch``).
+        self._staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]] = {}
         self._layouts = LayoutCache()
         self._plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan] = {}
         # id(stats) -> (stats, 16-bit buffer, plan) of the buckets stored, both weakly held.
@@ -494,8 +497,11 @@ class GradientStorage:
         amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
         scales = self._storage_scales(amax)
         stored = torch.empty(layout.elements, dtype=self.grad_dtype, device=device)
-        # Scale in float32 and round to grad_dtype: one pass for the whole bucket.
-        torch.mul(rows, layout.per_row(scales), out=stored.view(layout.rows, ROW))
+        # Scale in float32 in place (the staging rows are not needed after), then round to
+        # grad_dtype: two vectorised passes, faster than one multiplication into a 16-bit
+        # output, which computes into a float32 temporary and copies that.
+        rows.mul_(layout.per_row(scales))
+        stored.view(layout.rows, ROW).copy_(rows)
         stats = torch.stack([scales, amax], dim=1)
         self._remember(stats, stored, plan)
         version = stored._version
@@ -613,10 +619,45 @@ class GradientStorage:
         stored = torch.empty_strided(
             param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
         )
-        torch.mul(true, scale, out=stored)  # scale in float32, round to grad_dtype: one pass
+        self._scale_into(stored, true, scale)
         slot.record(stored, torch.stack([scale, amax]).unsqueeze(0), 0, stored._version)
         if slot.consumer is not None:
             slot.consumer([param])
+
+    def _scale_into(self, stored: Tensor, true: Tensor, scale: Tensor) -> None:
+        """``stored = true * scale``, computed in float32 and rounded to ``stored``'s dtype.
+
+        On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
+        whole gradient first: fresh memory, whose pages the system maps at the first write.
+        There a dense gradient is scaled in pieces of the staging buffer's size through that
+        buffer instead (which the next bucket zeroes again), each piece a vectorised
+        multiplication and a rounding copy.
+        """
+        order = dense_order(stored) if true.device.type == "cpu" and true.numel() else None
+        flat_stored = None if order is None else flat_view(stored, order)
+        flat_true = None if order is None else flat_view(true, order)
+        if flat_stored is None or flat_true is None:
+            torch.mul(true, scale, out=stored)  # one pass
+            return
+        capacity = _packing.budget(true.device).capacity
+        scratch = self._scratch(true.device, min(capacity, flat_true.numel()))
+        for start in range(0, flat_true.numel(), capacity):
+            piece = flat_true[start : start + capacity]
+            part = scratch[: piece.numel()]
+            torch.mul(piece, scale, out=part)
+            flat_stored[start : start + capacity].copy_(part)
+
+    def _scratch(self, device: torch.device, elements: int) -> Tensor:
+        """The staging buffer of ``device``, at least ``elements`` long, as scratch space.
+
+        The next bucket stored finds it of no layout, and zeroes it first.
+        """
+        staging = self._staging.get(device)
+        if staging is None or staging.numel() < elements:
+            staging = self._staging[device] = torch.zeros(elements, device=device)
+            self._staging_generation += 1
+        self._staging_rows[device] = (None, staging)  # no layout's: the next bucket zeroes it
+        return staging
 
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
         """Hand the gradients of ``params`` to ``consumer`` as soon as they are stored.

@@ -62,6 +62,26 @@ def test_buckets_store_what_storing_each_gradient_alone_stores(
         assert torch.equal(opt.true_grad(p), reference.true_grad(q))
 
 
+def test_a_bucket_stored_after_a_large_gradient_stores_what_storing_each_alone_stores(
+    monkeypatch,
+):
+    """A large gradient is scaled through the staging buffer: the next bucket zeroes it first."""
+    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 128)
+    monkeypatch.setattr(mixedopt._packing, "CPU_SMALL", 64)
+    shapes = [(3,), (300,), (5,)]  # autograd reaches (5,) first, then (300,), stored alone
+    bucketed, alone = params_of(shapes, 0), params_of(shapes, 0)
+    opt = mixedopt.SGD(bucketed, lr=0.1)
+    for i in range(2):
+        backward(bucketed, [-3, 3, -3], i)  # the large gradient's values dwarf the others
+    monkeypatch.setattr(mixedopt._packing, "CPU_SMALL", -1)  # every gradient is stored alone
+    reference = mixedopt.SGD(alone, lr=0.1)
+    for i in range(2):
+        backward(alone, [-3, 3, -3], i)
+    for p, q in zip(bucketed, alone, strict=True):
+        assert torch.equal(p.grad, q.grad)
+        assert torch.equal(opt.true_grad(p), reference.true_grad(q))
+
+
 def test_gradients_are_stored_when_backward_returns():
     params = params_of([(3, 4), (5,)], 0)
     opt = mixedopt.Adam(params)
