@@ -12,7 +12,8 @@ gradients through a real ``backward()`` (so that mixedopt stores them the way it
 float16 with a power-of-two scale), and times ``step()`` alone: the gradients are kept across
 steps, nothing is zeroed. Every variant gets fresh parameters with the same values. The variants
 of one optimizer are timed in turn, one step each per round, so that the machine slowing down or
-speeding up while they run changes all of them alike (their ratios are what the table is for).
+speeding up while they run changes all of them alike (their ratios are what the table is for);
+each round starts with the next variant (``bench_small.in_turn``).
 A variant whose construction or step raises is shown as unavailable, with the first line of the
 error as the reason; warnings raised by its steps go to the note column.
 
@@ -432,8 +433,8 @@ def run_optimizer(
             except Exception as error:  # a variant that builds but cannot step: shown as such
                 _drop_after_failed_step(running, each, error)
         tell(f"{optimizer}: {_count(args.repeat, 'timed step')} of each variant, in turn")
-        for _ in range(args.repeat):
-            for each in list(running):
+        for round_index in range(args.repeat):
+            for each in bench_small.in_turn(running, round_index):
                 try:
                     each.row.step_ms.append(each.timed_step(device))
                 except Exception as error:
@@ -540,8 +541,8 @@ def iteration_benchmark(
         iterations[name] = iteration
     tell(f"training iteration: {_count(repeat, 'timed iteration')} of each optimizer, in turn")
     times: dict[str, list[float]] = {name: [] for name in iterations}
-    for _ in range(repeat):
-        for name, iteration in iterations.items():
+    for round_index in range(repeat):
+        for name, iteration in bench_small.in_turn(list(iterations.items()), round_index):
             times[name].append(1e3 * _timed(iteration, device))
     for opt in optimizers:
         if hasattr(opt, "remove_grad_storage"):

@@ -210,8 +210,8 @@ def iteration_times(
         for _ in range(warmup):
             run()
         runs[name] = (run, opt, [])
-    for _ in range(repeat):
-        for run, _, times in runs.values():
+    for round_index in range(repeat):
+        for run, _, times in bench_small.in_turn(list(runs.values()), round_index):
             times.append(1e3 * bench._timed(run, x.device))
     for _, opt, _ in runs.values():
         opt.remove_grad_storage()

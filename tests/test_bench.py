@@ -269,3 +269,9 @@ def test_step_in_backward_benchmark_prints_a_speed_row_per_model(capsys):
     for name in bench_in_backward.SPEED_MODELS:
         ratio = r" [\d.]+ = [\d.]+x \|"
         assert re.search(rf"\| {re.escape(name)} \| [\d.]+ \|{ratio}{ratio}$", out, re.M), out
+
+
+def test_in_turn_starts_each_round_with_the_next_variant():
+    rounds = [bench_small.in_turn(["a", "b", "c"], i) for i in range(4)]
+    assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert bench_small.in_turn([], 3) == []
