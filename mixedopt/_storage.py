@@ -49,6 +49,7 @@ itself, or one float32 copy when it is added to an earlier one.
 
 from __future__ import annotations
 
+import math
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -82,6 +83,10 @@ Consumer = Callable[[list[Tensor]], None]
 _TARGET_EXPONENT = 8
 # Keeps the scale and its inverse finite, normal float32 numbers.
 _MAX_SCALE_EXPONENT = 126
+# Elements of one piece of a large gradient scaled on a CPU (``_scale_into``): 1 MiB of float32,
+# which stays in a core's cache between the multiplication and the rounding copy (measured on
+# a 4-layer 1024-wide MLP: backward 0.5-1.1 ms faster than with pieces of 1 Mi elements).
+SCRATCH_PIECE = 1 << 18
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -99,6 +104,21 @@ def power_of_two_scale(amax: Tensor) -> Tensor:
     k = (_TARGET_EXPONENT - exponent).clamp_(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
     # 2.0**k is exact for these k (torch.ldexp is computed the same way).
     return torch.pow(2.0, k).to(amax.dtype)
+
+
+def power_of_two_scale_on_host(amax: float) -> float:
+    """``power_of_two_scale`` of one float32 value read on the host (the same scale, bitwise)."""
+    _, exponent = math.frexp(amax)  # (nan or inf, 0) for nan and inf, as torch.frexp gives
+    k = min(max(_TARGET_EXPONENT - exponent, -_MAX_SCALE_EXPONENT), _MAX_SCALE_EXPONENT)
+    return math.ldexp(1.0, k)
+
+
+def abs_max_on_host(t: Tensor) -> float:
+    """``abs_max(t)`` read on the host, as a Python float."""
+    if t.numel() == 0:
+        return 0.0
+    low, high = (value.item() for value in torch.aminmax(t))
+    return max(-low, high)  # a NaN anywhere makes both NaN, and max() keeps it
 
 
 def abs_max(t: Tensor) -> Tensor:
@@ -613,25 +633,36 @@ class GradientStorage:
         if previous is not None:
             (inverse,) = self._inverse_scales([slot], [previous])
             true = torch.addcmul(true, previous, inverse)
-        amax = abs_max(true)
-        scale = self._storage_scales(amax)
         param = slot.param
         stored = torch.empty_strided(
             param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
         )
+        scale: Tensor | float
+        if true.device.type == "cpu":
+            # Reading a value costs nothing on a CPU: the scale is found on the host, nine
+            # operations fewer than on the device (inside backward each costs tens of us).
+            amax = abs_max_on_host(true)
+            scale = 1.0
+            if self.grad_dtype == torch.float16:
+                scale = power_of_two_scale_on_host(amax)
+            stats = torch.tensor([[scale, amax]], dtype=torch.float32)
+        else:
+            device_amax = abs_max(true)
+            scale = self._storage_scales(device_amax)
+            stats = torch.stack([scale, device_amax]).unsqueeze(0)
         self._scale_into(stored, true, scale)
-        slot.record(stored, torch.stack([scale, amax]).unsqueeze(0), 0, stored._version)
+        slot.record(stored, stats, 0, stored._version)
         if slot.consumer is not None:
             slot.consumer([param])
 
-    def _scale_into(self, stored: Tensor, true: Tensor, scale: Tensor) -> None:
+    def _scale_into(self, stored: Tensor, true: Tensor, scale: Tensor | float) -> None:
         """``stored = true * scale``, computed in float32 and rounded to ``stored``'s dtype.
 
         On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
         whole gradient first: fresh memory, whose pages the system maps at the first write.
-        There a dense gradient is scaled in pieces of the staging buffer's size through that
-        buffer instead (which the next bucket zeroes again), each piece a vectorised
-        multiplication and a rounding copy.
+        There a dense gradient is scaled in pieces through the staging buffer instead (which
+        the next bucket zeroes again), each piece a vectorised multiplication and a rounding
+        copy, small enough (``SCRATCH_PIECE``) to stay in a core's cache between the two.
         """
         order = dense_order(stored) if true.device.type == "cpu" and true.numel() else None
         flat_stored = None if order is None else flat_view(stored, order)
@@ -639,13 +670,13 @@ class GradientStorage:
         if flat_stored is None or flat_true is None:
             torch.mul(true, scale, out=stored)  # one pass
             return
-        capacity = _packing.budget(true.device).capacity
-        scratch = self._scratch(true.device, min(capacity, flat_true.numel()))
-        for start in range(0, flat_true.numel(), capacity):
-            piece = flat_true[start : start + capacity]
+        size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
+        scratch = self._scratch(true.device, min(size, flat_true.numel()))
+        for start in range(0, flat_true.numel(), size):
+            piece = flat_true[start : start + size]
             part = scratch[: piece.numel()]
             torch.mul(piece, scale, out=part)
-            flat_stored[start : start + capacity].copy_(part)
+            flat_stored[start : start + size].copy_(part)
 
     def _scratch(self, device: torch.device, elements: int) -> Tensor:
         """The staging buffer of ``device``, at least ``elements`` long, as scratch space.

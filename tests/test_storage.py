@@ -365,3 +365,25 @@ def test_an_optimizer_recreated_from_a_checkpoint_beside_the_old_one_continues_t
     for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         torch.testing.assert_close(p, q)
         torch.testing.assert_close(new.state[p]["exp_avg"], ref.state[q]["exp_avg"])
+
+
+FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+
+
+@given(values=st.lists(FLOAT32, min_size=0, max_size=6))
+def test_the_scale_found_on_the_host_is_the_scale_found_on_the_device(values):
+    """Gradients stored alone on a CPU read their largest magnitude and find their scale on the
+    host; the buckets and the accelerators compute both with tensor operations."""
+    from mixedopt._storage import (
+        abs_max,
+        abs_max_on_host,
+        power_of_two_scale,
+        power_of_two_scale_on_host,
+    )
+
+    t = torch.tensor(values, dtype=torch.float32)
+    on_device, on_host = abs_max(t), abs_max_on_host(t)
+    torch.testing.assert_close(
+        torch.tensor(on_host, dtype=torch.float32), on_device, rtol=0, atol=0, equal_nan=True
+    )
+    assert power_of_two_scale_on_host(on_host) == power_of_two_scale(on_device).item()
