@@ -2,7 +2,7 @@
 
 ``step()`` never makes a float32 copy of all gradients, and a group costs a fixed number of
 operations beyond torch's own update, whatever the number of its parameters. Parameters are
-taken whole in batches of at most ``capacity`` elements (``_packing.budget``), and a parameter
+taken whole in batches of at most ``piece`` elements (``_packing.budget``), and a parameter
 larger than that is cut into 1-D pieces (weights, gradient and state alike) when all of them are
 dense in one layout. A batch's gradients are upcast into a float32 buffer with one
 ``_foreach_copy_`` and unscaled with one multiplication (each gradient's factor, per row of the
@@ -234,7 +234,7 @@ def default_update(
         if len(rest) != len(entries):
             entries = [entries[i] for i in rest]
             factors = factors[workspace.index(rest, device)]
-    for batch in batches(entries, keys, budget(device).capacity):
+    for batch in batches(entries, keys, budget(device).piece):
         grads = _upcast(workspace, batch, factors[batch.first : batch.first + len(batch.params)])
         update(batch.params, grads, dict(zip(keys, batch.states, strict=True)), batch.steps)
         batch.copy_created()

@@ -41,6 +41,13 @@ ACCELERATOR_CAPACITY = 1 << 22
 # packs, the default step's foreach batches): above it, a tensor's bytes cost more than the few
 # dispatches it takes alone.
 CPU_SMALL = 1 << 15
+# Elements of one batch of the default step on a CPU (a larger parameter is cut into pieces of
+# it): the functional update passes over a batch several times and allocates temporaries of its
+# size (Adam: two), which are smaller and come back from the allocator warm. Measured against
+# 1 Mi, interleaved: Adam step 0.74x vs 0.76x of torch's on a 4-layer 1024-wide MLP (and
+# 0.82-0.93x vs 1.30-1.48x in runs where the allocator returned the larger ones to the system),
+# 0.65x vs 0.70x on 16 x 2M; SGD 1.12x vs 1.15x.
+CPU_PIECE = 1 << 19
 # On an accelerator: the largest parameter fused=True packs (a compiled call costs tens of
 # microseconds of Python, a copy of 1 Mi elements a few microseconds).
 ACCELERATOR_FUSED_SMALL = 1 << 20
@@ -54,21 +61,24 @@ class Budget:
     ``bucket_small``: the largest gradient backward stores in a bucket with others.
     ``fused_small``: the largest parameter ``fused=True`` packs with others (weights, gradient
     and state copied in and out around one compiled call).
+    ``piece``: elements in one batch of the default step, a larger parameter cut into 1-D
+    pieces of this size (a bucket backward stored whole is one batch all the same).
     """
 
     capacity: int
     bucket_small: int
     fused_small: int
+    piece: int
 
 
 def budget(device: torch.device) -> Budget:
     """The packing budget of ``device`` (read at call time, so that tests can change it)."""
     if device.type == "cpu":
         small = min(CPU_SMALL, CPU_CAPACITY)
-        return Budget(CPU_CAPACITY, small, small)
+        return Budget(CPU_CAPACITY, small, small, min(CPU_PIECE, CPU_CAPACITY))
     # Launches dominate: backward buckets whatever fits.
     capacity = ACCELERATOR_CAPACITY
-    return Budget(capacity, capacity, min(ACCELERATOR_FUSED_SMALL, capacity))
+    return Budget(capacity, capacity, min(ACCELERATOR_FUSED_SMALL, capacity), capacity)
 
 
 def rows_for(numel: int) -> int:
