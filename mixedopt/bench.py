@@ -263,6 +263,19 @@ def _timed(fn: Callable[[], Any], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
+def _page_faults() -> int | None:
+    """Minor page faults of this process so far (``None`` where the system does not count them).
+
+    A page fault maps 4 KiB of memory the C library had handed back to the system: thousands of
+    them in an iteration decide its time on a CPU, whichever optimizer allocates the memory.
+    """
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def stream_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> dict[str, float]:
     """Bytes per second of ``x.add_(1)`` and of ``torch.add(x, 1, out=y)``, 2 x nbytes each."""
     x = torch.ones(mib * 2**20 // 4, device=device)
@@ -511,8 +524,9 @@ def iteration_benchmark(
     An iteration is what a training loop does: forward under ``autocast(float16)``, backward
     (where mixedopt's storage hooks run), ``step()`` and ``zero_grad()``. Every variant starts
     from the same weights and sees the same batch; their timed iterations take turns, as the
-    steps of the main table do. ``progress`` is told of each variant's warm-up and of the timed
-    iterations (``len(ITERATION_VARIANTS) + 1`` runs) as they begin.
+    steps of the main table do. Each result also has the mean page faults of its timed
+    iterations (``_page_faults``). ``progress`` is told of each variant's warm-up and of the
+    timed iterations (``len(ITERATION_VARIANTS) + 1`` runs) as they begin.
     """
     tell = progress or (lambda label: None)
     torch.manual_seed(0)
@@ -541,9 +555,14 @@ def iteration_benchmark(
         iterations[name] = iteration
     tell(f"training iteration: {_count(repeat, 'timed iteration')} of each optimizer, in turn")
     times: dict[str, list[float]] = {name: [] for name in iterations}
+    faults: dict[str, list[int]] = {name: [] for name in iterations}
     for round_index in range(repeat):
         for name, iteration in bench_small.in_turn(list(iterations.items()), round_index):
+            before = _page_faults()
             times[name].append(1e3 * _timed(iteration, device))
+            after = _page_faults()
+            if before is not None and after is not None:
+                faults[name].append(after - before)
     for opt in optimizers:
         if hasattr(opt, "remove_grad_storage"):
             opt.zero_grad()
@@ -551,7 +570,12 @@ def iteration_benchmark(
     del optimizers, iterations
     gc.collect()
     results = [
-        {"variant": name, "median_ms": statistics.median(ms), "ms": ms}
+        {
+            "variant": name,
+            "median_ms": statistics.median(ms),
+            "ms": ms,
+            "page_faults": statistics.mean(faults[name]) if faults[name] else None,
+        }
         for name, ms in times.items()
     ]
     base = results[0]["median_ms"]
@@ -562,9 +586,13 @@ def iteration_benchmark(
 
 def format_iteration(results: list[dict[str, Any]]) -> str:
     """The iteration benchmark as a markdown table."""
-    lines = ["| optimizer | median iteration (ms) | vs torch AdamW foreach |", "|---|---:|---:|"]
+    lines = [
+        "| optimizer | median iteration (ms) | vs torch AdamW foreach | page faults |",
+        "|---|---:|---:|---:|",
+    ]
     for r in results:
-        lines.append(f"| {r['variant']} | {r['median_ms']:.2f} | {r['ratio']:.2f}x |")
+        faults = _fmt(r.get("page_faults"), ".0f")
+        lines.append(f"| {r['variant']} | {r['median_ms']:.2f} | {r['ratio']:.2f}x | {faults} |")
     return "\n".join(lines)
 
 
@@ -952,7 +980,7 @@ def _measure_and_print(
         out(
             f"Training iteration (autocast float16 forward, backward, step, zero_grad) of a "
             f"4-layer {args.mlp_width}-wide MLP, batch {args.mlp_batch}, median of "
-            f"{args.repeat}:"
+            f"{args.repeat} (page faults: mean per timed iteration):"
         )
         out()
         out(format_iteration(iteration))
