@@ -569,7 +569,7 @@ def iteration_benchmark(
             opt.remove_grad_storage()
     del optimizers, iterations
     gc.collect()
-    results = [
+    results: list[dict[str, Any]] = [
         {
             "variant": name,
             "median_ms": statistics.median(ms),
