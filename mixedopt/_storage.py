@@ -490,6 +490,10 @@ class GradientStorage:
             return power_of_two_scale(amax)
         return torch.ones_like(amax)
 
+    def _storage_scale_on_host(self, amax: float) -> float:
+        """``_storage_scales`` of one largest magnitude read on the host."""
+        return power_of_two_scale_on_host(amax) if self.grad_dtype == torch.float16 else 1.0
+
     @torch.no_grad()
     def _store_bucket(self, bucket: _Bucket) -> None:
         """Store a bucket's gradients: a fixed number of operations for all of them."""
@@ -613,11 +617,7 @@ class GradientStorage:
         of the layout the buffer last had finds its padding still zero; another one zeroes the
         buffer first.
         """
-        staging = self._staging.get(device)
-        if staging is None or staging.numel() < layout.elements:
-            staging = self._staging[device] = torch.zeros(layout.elements, device=device)
-            self._staging_generation += 1
-            self._staging_rows.pop(device, None)
+        staging = self._staging_buffer(device, layout.elements)
         last = self._staging_rows.get(device)
         if last is None or last[0] is not layout:
             rows = staging[: layout.elements].view(layout.rows, ROW)
@@ -642,9 +642,7 @@ class GradientStorage:
             # Reading a value costs nothing on a CPU: the scale is found on the host, nine
             # operations fewer than on the device (inside backward each costs tens of us).
             amax = abs_max_on_host(true)
-            scale = 1.0
-            if self.grad_dtype == torch.float16:
-                scale = power_of_two_scale_on_host(amax)
+            scale = self._storage_scale_on_host(amax)
             stats = torch.tensor([[scale, amax]], dtype=torch.float32)
         else:
             device_amax = abs_max(true)
@@ -683,11 +681,17 @@ class GradientStorage:
 
         The next bucket stored finds it of no layout, and zeroes it first.
         """
+        staging = self._staging_buffer(device, elements)
+        self._staging_rows[device] = (None, staging)  # no layout's: the next bucket zeroes it
+        return staging
+
+    def _staging_buffer(self, device: torch.device, elements: int) -> Tensor:
+        """The staging buffer of ``device``, replaced by zeros of ``elements`` if it is shorter."""
         staging = self._staging.get(device)
         if staging is None or staging.numel() < elements:
             staging = self._staging[device] = torch.zeros(elements, device=device)
             self._staging_generation += 1
-        self._staging_rows[device] = (None, staging)  # no layout's: the next bucket zeroes it
+            self._staging_rows.pop(device, None)
         return staging
 
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
