@@ -19,6 +19,8 @@ both: the inf/NaN check covers all of its gradients before anything is updated.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from typing import Any
 
 import torch
@@ -27,6 +29,10 @@ from torch import Tensor
 from ._default_step import upcast_stored
 from ._packing import Workspace, budget
 from ._storage import GradientStorage, WholeBucket
+
+# A bucket member's group index and parameter (``WholeBucket.members``), read in C by ``map``.
+_group_index = operator.itemgetter(0)
+_parameter = operator.itemgetter(1)
 
 
 class BucketSteps:
@@ -64,29 +70,65 @@ class BucketSteps:
             return [], left
         keys = [frozenset(self._state_keys(group)) for group in groups]
         fused = [bool(group.get("fused")) for group in groups]
-        state = self.state
         taken = []
         for bucket in found:
-            fused_small = budget(bucket.stored.device).fused_small
-            states = []
-            for index, param in bucket.members:
-                # fused=True takes torch's fused update for parameters up to fused_small where
-                # the parent has one; the others get compiled kernels: the reference path.
-                if fused[index] and (not self._torch_fused or param.numel() > fused_small):
-                    break
-                if keys[index]:
-                    found_state = state.get(param)
-                    if found_state is None or not keys[index] <= found_state.keys():
-                        break  # its first step creates the state: the reference path
-                    states.append(found_state)
-                else:  # like the parent, an optimizer without state (SGD) records none
-                    states.append(None)
+            states = self._states_of(bucket, keys, fused)
+            if states is None:
+                left += len(bucket.members)  # the reference path takes them
             else:
                 bucket.states = states
                 taken.append(bucket)
-                continue
-            left += len(bucket.members)
         return taken, left
+
+    def _states_of(
+        self, bucket: WholeBucket, keys: list[frozenset[str]], fused: list[bool]
+    ) -> list[Any] | None:
+        """The state of each parameter of ``bucket``; ``None`` where the bucket cannot be taken.
+
+        ``fused=True`` takes torch's fused update for parameters up to ``fused_small`` where
+        the parent has one; the others get compiled kernels, and a parameter without its state
+        yet gets it from its first step: those take the reference path. Over a bucket of one
+        group (the common case) the checks are passes in C (``map``), not a Python step per
+        parameter.
+        """
+        members = bucket.members
+        groups = set(map(_group_index, members))
+        if len(groups) > 1:
+            return self._states_of_members(bucket, keys, fused)
+        (index,) = groups
+        params = list(map(_parameter, members))
+        if fused[index] and (
+            not self._torch_fused
+            or max(map(Tensor.numel, params)) > budget(bucket.stored.device).fused_small
+        ):
+            return None
+        if not keys[index]:  # like the parent, an optimizer without state (SGD) records none
+            return [None] * len(params)
+        states = list(map(self.state.get, params))
+        if any(map(operator.is_, states, itertools.repeat(None))):
+            return None
+        for key in keys[index]:
+            if not all(map(operator.contains, states, itertools.repeat(key))):
+                return None
+        return states
+
+    def _states_of_members(
+        self, bucket: WholeBucket, keys: list[frozenset[str]], fused: list[bool]
+    ) -> list[Any] | None:
+        """``_states_of`` for a bucket that spans groups, parameter by parameter."""
+        fused_small = budget(bucket.stored.device).fused_small
+        states = []
+        for index, param in bucket.members:
+            if fused[index] and (not self._torch_fused or param.numel() > fused_small):
+                return None
+            if keys[index]:
+                found_state = self.state.get(param)
+                if found_state is None or not keys[index] <= found_state.keys():
+                    return None
+                states.append(found_state)
+            else:
+                states.append(None)
+        return states
 
     def _bucket_factors_and_skip(
         self, buckets: list[WholeBucket], grad_scale: Tensor | None, found_inf: Tensor | None
@@ -123,18 +165,22 @@ class BucketSteps:
             grads = upcast_stored(
                 self._workspace, bucket.stored, bucket.layout, bucket.runs, factors
             )
+            members = bucket.members
             by_group: dict[int, list[int]] = {}
-            for row, (index, _) in enumerate(bucket.members):
-                by_group.setdefault(index, []).append(row)
+            if len(set(map(_group_index, members))) == 1:
+                by_group[members[0][0]] = list(range(len(members)))
+            else:
+                for row, (index, _) in enumerate(members):
+                    by_group.setdefault(index, []).append(row)
             for index, chosen in by_group.items():
-                group, members = groups[index], bucket.members
+                group = groups[index]
                 states = [bucket.states[row] for row in chosen] if keys[index] else []
                 found = None if skip is None or not group.get("fused") else skip.to(device).float()
                 self._update(
                     group,
                     [members[row][1] for row in chosen],
                     [grads[row] for row in chosen],
-                    {key: [s[key] for s in states] for key in keys[index]},
+                    {key: list(map(operator.itemgetter(key), states)) for key in keys[index]},
                     [s["step"] for s in states if "step" in s],
                     found_inf=found,
                 )

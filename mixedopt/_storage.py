@@ -10,21 +10,28 @@ What ``p.grad`` holds
 
 How it gets there (PyTorch >= 2.10)
     * ``p.grad_dtype = None`` lets autograd accept a ``.grad`` whose dtype differs from ``p``.
-    * A pre-hook on the parameter's ``AccumulateGrad`` node receives each float32 gradient before
-      autograd stores it, takes it, and hands autograd no gradient, so that autograd stores
-      nothing. A node hook, not a tensor hook: tensor hooks also run for
-      ``torch.autograd.grad`` and would take its result. Until it is stored, ``p.grad`` is that
-      float32 gradient (true values): code that reads it during backward, or after a backward
-      that raised, sees what torch.optim would; one changed in the meantime (``zero_grad()``)
-      is not stored.
+    * A pre-hook on the parameter's ``AccumulateGrad`` node sees each float32 gradient before
+      autograd stores it. A node hook, not a tensor hook: tensor hooks also run for
+      ``torch.autograd.grad``. Until it is stored in 16 bits, ``p.grad`` is that float32
+      gradient (true values): code that reads it during backward, or after a backward that
+      raised, sees what torch.optim would; one cleared in the meantime (``zero_grad()``) is
+      not stored.
     * A gradient of up to ``_packing.budget(device).bucket_small`` elements waits in a bucket, as
-      DistributedDataParallel's reducer does: the hook only appends it. A bucket is stored when
-      the next gradient would not fit (``capacity`` elements) and at the end of ``backward()``,
-      from a callback queued on the autograd engine. Storing a bucket is a fixed number of
-      operations, whatever the number of its gradients (``_store_bucket``): copy them into a
-      float32 staging buffer of rows, take the largest magnitude of each, compute the scales, and
-      write all of them in one multiplication into one 16-bit buffer, of which each ``p.grad`` is
-      a view with the parameter's layout.
+      DistributedDataParallel's reducer does: in the common case (a bucket filling in this
+      backward, no earlier gradient) the hook only marks the parameter as waiting and lets
+      autograd put the gradient in ``p.grad``, reading one tensor attribute; otherwise
+      (``_take``) it hands autograd no gradient and sets ``p.grad`` itself. A bucket is stored
+      when the next gradient would not fit (``capacity`` elements) and at the end of
+      ``backward()``, from a callback queued on the autograd engine by the backward's first
+      gradient. Storing a bucket is a fixed number of operations, whatever the number of its
+      gradients (``_store_bucket``): copy them into a float32 staging buffer of rows, take the
+      largest magnitude of each, compute the scales, and write all of them in one
+      multiplication into one 16-bit buffer, of which each ``p.grad`` is a view with the
+      parameter's layout.
+    * A backward that raised leaves its bucket waiting, and its end stores nothing. ``step()``,
+      ``true_grad()`` and the next backward store it: the next backward when it reaches one of
+      its parameters or fills the bucket; until then, the gradients that backward brings wait
+      with it, in ``p.grad``, float32, and ``step()`` stores them first.
     * A larger gradient is stored at once, on its own (``_store_alone``): its bytes outweigh
       the few operations that costs. It is also the plain reference of the bucket path.
     * Gradient accumulation: a gradient already in ``p.grad`` when a new one arrives (stored by
@@ -49,7 +56,9 @@ itself, or one float32 copy when it is added to an earlier one.
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -87,6 +96,16 @@ _MAX_SCALE_EXPONENT = 126
 # which stays in a core's cache between the multiplication and the rounding copy (measured on
 # a 4-layer 1024-wide MLP: backward 0.5-1.1 ms faster than with pieces of 1 Mi elements).
 SCRATCH_PIECE = 1 << 18
+
+# ``slot.param.grad`` and ``slot.param.stride()``, looked up in C over many slots.
+_grad_of_slot = operator.attrgetter("param.grad")
+_is_sparse = operator.attrgetter("is_sparse")
+_grad_of = operator.attrgetter("grad")
+_stats_of_slot = operator.attrgetter("stats")
+_ref_of_slot = operator.attrgetter("grad_ref")
+_call = weakref.ref.__call__
+_param_of_slot = operator.attrgetter("param")
+_stride_of = operator.methodcaller("stride")
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -152,6 +171,8 @@ class _Slot:
         "shape",
         "strides",
         "consumer",
+        "bucket",
+        "elements",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -179,6 +200,10 @@ class _Slot:
         # Called with the parameter as soon as its gradient is stored, in backward (an
         # optimizer's step_in_backward); None: the gradient stays in p.grad.
         self.consumer: Consumer | None = None
+        # The bucket its gradients wait in, for the hook's common case (set by ``_take``), and
+        # the elements they take there (whole rows).
+        self.bucket: _Bucket | None = None
+        self.elements = 0
 
     def owns(self, grad: Tensor | None) -> bool:
         return grad is not None and self.grad_ref is not None and self.grad_ref() is grad
@@ -200,19 +225,14 @@ class _Slot:
 
 
 class _Bucket:
-    """Gradients of one device waiting to be stored together, in arrival order."""
+    """Gradients of one device waiting to be stored together, in arrival order.
 
-    __slots__ = (
-        "device",
-        "limits",
-        "capacity",
-        "small",
-        "task",
-        "slots",
-        "incoming",
-        "previous",
-        "elements",
-    )
+    A waiting gradient is in its ``p.grad``, float32 and true, as torch.optim would have it:
+    autograd put it there (the hook's common case) or the hook did (``_take``). ``previous``
+    keeps what ``p.grad`` held before, where it held something: they are added when stored.
+    """
+
+    __slots__ = ("device", "limits", "capacity", "small", "task", "slots", "previous", "elements")
 
     def __init__(self, device: torch.device) -> None:
         limits = self.limits = _packing.budget(device)
@@ -221,63 +241,74 @@ class _Bucket:
         self.small = limits.bucket_small  # the largest gradient that waits in a bucket
         self.task: int | None = None  # the backward whose end stores this bucket
         self.slots: list[_Slot] = []
-        self.incoming: list[Tensor] = []  # the gradients autograd computed
-        self.previous: list[Tensor | None] = []  # what p.grad held when they arrived
+        self.previous: dict[int, Tensor] = {}  # position in ``slots`` -> earlier p.grad
         self.elements = 0
 
     def clear(self) -> None:
-        self.slots, self.incoming, self.previous, self.elements = [], [], [], 0
+        self.slots, self.previous, self.elements = [], {}, 0
 
-    def drop_changed(self) -> None:
-        """Forget the gradients whose ``p.grad`` changed since they arrived.
+    def take_waiting(self) -> tuple[list[_Slot], list[Tensor], dict[int, Tensor]]:
+        """Empty the bucket: its slots, their gradients and what they are added to.
 
-        ``zero_grad()`` after a backward that raised, say: what it cleared is not stored.
+        Leaves out a gradient gone from ``p.grad`` (``zero_grad()`` after a backward that
+        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it).
         """
-        kept = [
-            i
-            for i, (slot, incoming) in enumerate(zip(self.slots, self.incoming, strict=True))
-            if slot.param.grad is incoming
-        ]
-        if len(kept) == len(self.slots):
-            return
-        for slot in self.slots:
-            slot.pending = False
-        slots, incoming, previous = self.slots, self.incoming, self.previous
+        slots, previous = self.slots, self.previous
         self.clear()
-        for i in kept:
-            self.slots.append(slots[i])
-            self.incoming.append(incoming[i])
-            self.previous.append(previous[i])
-            self.elements += rows_for(incoming[i].numel()) * ROW
-            slots[i].pending = True
+        for slot in slots:
+            slot.pending = False
+        grads = list(map(_grad_of_slot, slots))
+        # The common case, all there and dense, is checked without a Python step per gradient.
+        if all(map(operator.is_not, grads, itertools.repeat(None))) and not any(
+            map(_is_sparse, grads)
+        ):
+            return slots, grads, previous
+        kept = [i for i, grad in enumerate(grads) if grad is not None and not grad.is_sparse]
+        return (
+            [slots[i] for i in kept],
+            [grads[i] for i in kept],
+            {n: previous[i] for n, i in enumerate(kept) if i in previous},
+        )
 
 
 class _BucketPlan:
     """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
 
-    __slots__ = ("layout", "runs", "generation", "staging_views")
+    __slots__ = ("layout", "runs", "param_strides", "generation", "staging_views")
 
-    def __init__(self, layout: RowLayout, runs: ViewRuns) -> None:
+    def __init__(self, layout: RowLayout, runs: ViewRuns, param_strides: list[Any]) -> None:
         self.layout = layout
+        # The parameters' strides it was made for: new memory (``p.data = ...``) needs a new one.
+        self.param_strides = param_strides
         self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
         self.generation = -1  # of the staging buffer the views below are of
         self.staging_views: list[Tensor] = []
 
 
+class _StoredBucket:
+    """A bucket backward stored: its stats table and 16-bit buffer (weakly held), and slots."""
+
+    __slots__ = ("stats", "stored", "plan", "slots", "version")
+
+    def __init__(self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]):
+        self.stats = weakref.ref(stats)
+        self.stored = weakref.ref(stored)
+        self.plan = plan
+        self.slots = slots  # in row order
+        self.version = stored._version  # of the buffer when written
+
+
 class WholeBucket:
     """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
 
-    __slots__ = ("stats", "version", "members", "missing", "stored", "layout", "runs", "states")
+    __slots__ = ("stats", "members", "stored", "layout", "runs", "states")
 
-    def __init__(self, stats: Tensor, version: int) -> None:
+    def __init__(self, stats: Tensor, members: list[Any], stored: Tensor, plan: _BucketPlan):
         self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
-        self.version = version  # of the 16-bit buffer when it was written
-        # (group index, parameter) of each row, in row order.
-        self.members: list[Any] = [None] * stats.shape[0]
-        self.missing = len(self.members)
-        self.stored: Tensor  # the 16-bit buffer of rows, and its layout and views
-        self.layout: RowLayout
-        self.runs: ViewRuns
+        self.members = members  # (group index, parameter) of each row, in row order
+        self.stored = stored  # the 16-bit buffer of rows, and its layout and views
+        self.layout: RowLayout = plan.layout
+        self.runs: ViewRuns = plan.runs
         self.states: list[Any] = []  # the optimizer's state of each parameter (step())
 
 
@@ -312,8 +343,8 @@ class GradientStorage:
         self._staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]] = {}
         self._layouts = LayoutCache()
         self._plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan] = {}
-        # id(stats) -> (stats, 16-bit buffer, plan) of the buckets stored, both weakly held.
-        self._stored: dict[int, tuple[Any, Any, _BucketPlan]] = {}
+        # id(stats) -> the buckets stored, while their gradients live.
+        self._stored: dict[int, _StoredBucket] = {}
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
         self._consumed = 0  # slots with a consumer
@@ -375,6 +406,7 @@ class GradientStorage:
         for param in taken:
             slot = self._slots[id(param)]
             slot.engine_owned = True
+            slot.bucket = None  # its hook takes ``_take``, which leaves it to autograd
             param.grad_dtype = slot.original_grad_dtype
         if taken:
             warnings.warn(
@@ -390,45 +422,52 @@ class GradientStorage:
     # ------------------------------------------------------------------ during backward
 
     def _accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
-        param, buckets = slot.param, self._buckets
-        graph_task = torch._C._current_graph_task_id
+        param = slot.param
 
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None] | None:
-            # Runs for every parameter in every backward: plain Python, no tensor operation, and
-            # the common case first. Autograd runs the hooks of one device on one thread, and
-            # they share nothing with another device's but the slow path's bookkeeping.
-            incoming = grad_outputs[0]
-            previous = param.grad
+            # Runs for every parameter in every backward, between backward's own operations,
+            # which leave the caches cold for it: each tensor attribute it reads costs about a
+            # microsecond there. The common case reads one. A non-empty bucket (``slot.bucket``,
+            # set by ``_take``) is stored at the end of the backward under way, so the hook only
+            # marks the parameter as waiting and lets autograd put the float32 gradient in
+            # ``p.grad``, as it does for torch.optim; the bucket's store takes it from there.
+            # Every other case goes to ``_take``. Autograd runs the hooks of one device on one
+            # thread, and they share nothing with another device's but ``_take``'s bookkeeping.
+            bucket = slot.bucket
             if (
-                slot.engine_owned
-                or incoming is None
-                or incoming.is_sparse
-                or (previous is not None and previous.is_sparse)
+                bucket is not None
+                and bucket.elements
+                and not slot.pending
+                and bucket.elements + slot.elements <= bucket.capacity
+                and param.grad is None
             ):
-                return None  # autograd stores it; step() refuses sparse gradients clearly
-            bucket = buckets.get(incoming.device)
-            if (
-                bucket is None
-                or bucket.task != graph_task()
-                or slot.pending
-                or incoming.numel() > bucket.small
-            ):
-                return self._take(slot, incoming, previous)
-            self._wait(bucket, slot, incoming, previous)
-            return (None,)  # taken: autograd stores nothing
+                bucket.slots.append(slot)
+                bucket.elements += slot.elements
+                slot.pending = True
+                return None  # autograd stores it, as it would without mixedopt
+            return self._take(slot, grad_outputs[0])
 
         return hook
 
-    def _take(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> tuple[None] | None:
+    def _take(self, slot: _Slot, incoming: Tensor | None) -> tuple[None] | None:
         """The hook's other cases, out of its way.
 
-        The first gradient of a backward (or of a device), one left waiting by a backward that
-        ended early, and a gradient too large for a bucket.
+        The first gradient of a backward (or of a device), one that would overflow its bucket,
+        one left waiting by a backward that ended early, one added to an earlier gradient, a
+        gradient too large for a bucket, and those autograd keeps: a distributed engine's,
+        sparse ones (``step()`` refuses them).
         """
+        param = slot.param
+        previous = param.grad
         if self._unchecked:
             self._leave_to_engines()
-            if slot.engine_owned:
-                return None
+        if (
+            slot.engine_owned
+            or incoming is None
+            or incoming.is_sparse
+            or (previous is not None and previous.is_sparse)
+        ):
+            return None  # autograd stores it
         device = incoming.device
         bucket = self._buckets.get(device)
         if bucket is None or bucket.limits != _packing.budget(device):
@@ -437,30 +476,29 @@ class GradientStorage:
             bucket = self._buckets[device] = _Bucket(device)
         if slot.pending:  # waits from a backward that raised: stored first
             self._store_bucket(bucket)
-            previous = slot.param.grad
-        if incoming.numel() > bucket.small:
+            previous = param.grad
+        numel = incoming.numel()
+        if numel > bucket.small:
+            slot.bucket = None
             self._store_alone(slot, incoming, previous)
             return (None,)
         task = torch._C._current_graph_task_id()
         if bucket.task != task:  # what waits is stored when this backward ends
             bucket.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
-        self._wait(bucket, slot, incoming, previous)
-        return (None,)
-
-    def _wait(
-        self, bucket: _Bucket, slot: _Slot, incoming: Tensor, previous: Tensor | None
-    ) -> None:
-        """Put a gradient in ``bucket``, after storing what it holds if it would overflow."""
-        elements = rows_for(incoming.numel()) * ROW  # whole rows
-        if bucket.elements + elements > bucket.capacity:
+        slot.elements = rows_for(numel) * ROW  # whole rows
+        slot.bucket = bucket  # the hook's common case, from now on
+        if bucket.elements + slot.elements > bucket.capacity:
             self._store_bucket(bucket)
-        slot.param.grad = incoming  # true values until stored, as torch.optim would have them
+        if previous is not None:
+            bucket.previous[len(bucket.slots)] = previous
         bucket.slots.append(slot)
-        bucket.incoming.append(incoming)
-        bucket.previous.append(previous)
-        bucket.elements += elements
+        bucket.elements += slot.elements
         slot.pending = True
+        if previous is None:
+            return None  # autograd stores it in p.grad, as in the hook's common case
+        param.grad = incoming  # true values until stored, as torch.optim would have them
+        return (None,)  # taken: autograd stores nothing
 
     def flush(self) -> None:
         """Store every gradient still waiting in a bucket."""
@@ -499,10 +537,10 @@ class GradientStorage:
         """Store a bucket's gradients: a fixed number of operations for all of them."""
         if not bucket.slots:
             return
-        bucket.drop_changed()
-        if not bucket.slots:
+        slots, grads, previous = bucket.take_waiting()
+        if not slots:
             return
-        slots, device = bucket.slots, bucket.device
+        device = bucket.device
         plan = self._plan(slots, device)
         layout = plan.layout
         staging, rows = self._staging_for(device, layout)
@@ -510,12 +548,13 @@ class GradientStorage:
             plan.staging_views = plan.runs.views(staging)
             plan.generation = self._staging_generation
         views = plan.staging_views
-        torch._foreach_copy_(views, bucket.incoming)
-        added = [i for i, previous in enumerate(bucket.previous) if previous is not None]
-        if added:
-            previous = [bucket.previous[i] for i in added]
-            inverse = self._inverse_scales([slots[i] for i in added], previous)  # type: ignore[misc]
-            torch._foreach_addcmul_([views[i] for i in added], previous, inverse)
+        torch._foreach_copy_(views, grads)
+        del grads  # the float32 gradients go with their p.grad, below
+        if previous:
+            added = list(previous)
+            earlier = list(previous.values())
+            inverse = self._inverse_scales([slots[i] for i in added], earlier)
+            torch._foreach_addcmul_([views[i] for i in added], earlier, inverse)
         # Largest magnitude per tensor (NaN and inf propagate), then the scales. Two reductions
         # rather than abs(): no temporary of the bucket's size.
         amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
@@ -527,7 +566,7 @@ class GradientStorage:
         rows.mul_(layout.per_row(scales))
         stored.view(layout.rows, ROW).copy_(rows)
         stats = torch.stack([scales, amax], dim=1)
-        self._remember(stats, stored, plan)
+        self._remember(stats, stored, plan, slots)
         version = stored._version
         reference = weakref.ref
         # One view of ``stored`` per parameter, in its layout (the loop runs per parameter: its
@@ -535,17 +574,18 @@ class GradientStorage:
         for row, (slot, grad) in enumerate(zip(slots, plan.runs.views(stored), strict=True)):
             slot.param.grad = grad
             slot.grad_ref = reference(grad)
-            slot.grad_version, slot.stats, slot.row, slot.pending = version, stats, row, False
-        bucket.clear()
+            slot.grad_version, slot.stats, slot.row = version, stats, row
         if self._consumed:
             self._hand_over(slots)
 
-    def _remember(self, stats: Tensor, stored: Tensor, plan: _BucketPlan) -> None:
+    def _remember(
+        self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]
+    ) -> None:
         """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
         found = self._stored
-        for key in [k for k, (_, buffer, _) in found.items() if buffer() is None]:
+        for key in [k for k, record in found.items() if record.stored() is None]:
             del found[key]
-        found[id(stats)] = (weakref.ref(stats), weakref.ref(stored), plan)
+        found[id(stats)] = _StoredBucket(stats, stored, plan, slots)
 
     def stored_bucket(self, stats: Tensor) -> tuple[Tensor, RowLayout, ViewRuns] | None:
         """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
@@ -553,61 +593,66 @@ class GradientStorage:
         ``(buffer, layout, views)``: row ``i`` of ``stats`` is the ``i``-th view; ``None`` once
         the gradients are gone.
         """
-        found = self._stored.get(id(stats))
-        if found is None or found[0]() is not stats:
+        record = self._stored.get(id(stats))
+        if record is None or record.stats() is not stats:
             return None
-        stored = found[1]()
-        return None if stored is None else (stored, found[2].layout, found[2].runs)
+        stored = record.stored()
+        return None if stored is None else (stored, record.plan.layout, record.plan.runs)
 
     def whole_buckets(self, groups: list[list[Tensor]]) -> tuple[list[WholeBucket], int]:
         """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.
 
         Only buckets whose gradients are all still the views this storage wrote, unchanged
         since (the views share one version counter), qualify; each comes with its parameters
-        in row order. Also how many parameters of ``groups`` have a gradient outside them. A
-        plain Python pass over the parameters: ``step()`` takes them from here without looking
-        each one up again.
+        in row order and the index of their group. Also how many parameters of ``groups`` have
+        a gradient outside them. Each check is one pass in C over a bucket's slots (``map``
+        over attribute getters), not a Python step per parameter: ``step()`` takes the
+        buckets from here without looking each parameter up again.
         """
-        found: dict[int, WholeBucket] = {}
-        slots = self._slots
-        others = 0
+        with_grad = sum(
+            sum(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
+            for params in groups
+        )
+        if not with_grad or not self._stored:
+            return [], with_grad
+        group_of: dict[int, int] = {}
         for index, params in enumerate(groups):
-            for param in params:
-                grad = param.grad
-                if grad is None:
-                    continue
-                slot = slots.get(id(param))
-                if slot is None or slot.grad_ref is None or slot.grad_ref() is not grad:
-                    others += 1
-                    continue
-                stats = slot.stats
-                assert stats is not None
-                bucket = found.get(id(stats))
-                if bucket is None:
-                    bucket = found[id(stats)] = WholeBucket(stats, slot.grad_version)
-                bucket.members[slot.row] = (index, param)
-                bucket.missing -= 1
+            group_of.update(zip(map(id, params), itertools.repeat(index)))
         whole = []
-        for bucket in found.values():
-            stored = self.stored_bucket(bucket.stats) if bucket.missing == 0 else None
-            if stored is not None and stored[0]._version == bucket.version:
-                bucket.stored, bucket.layout, bucket.runs = stored
-                whole.append(bucket)
-            else:
-                others += len(bucket.members) - bucket.missing
-        return whole, others
+        taken = 0
+        for record in list(self._stored.values()):
+            stats, stored, slots = record.stats(), record.stored(), record.slots
+            if stats is None or stored is None or stored._version != record.version:
+                continue
+            params = list(map(_param_of_slot, slots))
+            ids = list(map(id, params))
+            if not (
+                # every parameter is of ``groups``, last stored in this bucket, and its .grad
+                # is still the view written there
+                all(map(group_of.__contains__, ids))
+                and all(map(operator.is_, map(_stats_of_slot, slots), itertools.repeat(stats)))
+                and all(
+                    map(operator.is_, map(_grad_of, params), map(_call, map(_ref_of_slot, slots)))
+                )
+            ):
+                continue
+            members = list(zip(map(group_of.__getitem__, ids), params, strict=True))
+            whole.append(WholeBucket(stats, members, stored, record.plan))
+            taken += len(params)
+        return whole, with_grad - taken
 
     def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
         """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
         key = (device, tuple(map(id, slots)))
         plan = self._plans.get(key)
-        if plan is None or any(slot.layout != slot.param.stride() for slot in slots):
+        param_strides = list(map(_stride_of, map(_param_of_slot, slots)))
+        if plan is None or plan.param_strides != param_strides:
             if len(self._plans) >= 16:
                 self._plans.clear()
             strides = [slot.grad_strides() for slot in slots]
             layout = self._layouts.get([slot.param.numel() for slot in slots], device)
             runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
-            plan = self._plans[key] = _BucketPlan(layout, runs)
+            plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
         return plan
 
     def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:

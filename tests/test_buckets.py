@@ -147,6 +147,28 @@ def test_zero_grad_after_a_backward_that_raises_drops_what_it_left():
         torch.testing.assert_close(opt.true_grad(p), q.grad, rtol=1e-3, atol=0)
 
 
+def test_a_backward_after_one_that_raised_reaching_other_parameters_steps_with_both():
+    """What the failed backward left and what the next one brought are both stored and used."""
+    params = params_of([(4,), (4,), (4,)], 0)
+    reference = params_of([(4,), (4,), (4,)], 0)
+    initial = [p.detach().clone() for p in params]
+    opt = mixedopt.SGD(params, lr=0.1)
+    failing_backward(params[:2])
+    failing_backward(reference[:2])
+    backward(params[2:], [-3], 1)  # reaches none of the parameters left waiting
+    backward(reference[2:], [-3], 1)
+    stored = [opt.true_grad(p) for p in params]  # stores what waits first
+    opt.step()
+    assert params[1].grad is None and reference[1].grad is None
+    for p, q, before, grad in zip(params, reference, initial, stored, strict=True):
+        if q.grad is None:
+            assert torch.equal(p.detach(), before)
+            continue
+        assert p.grad.dtype == torch.float16
+        torch.testing.assert_close(grad, q.grad, rtol=1e-3, atol=0)
+        torch.testing.assert_close(p.detach(), before - 0.1 * grad)
+
+
 MiB = 1 << 20
 COUNT, NUMEL = 512, 1 << 15  # 16 Mi elements in gradients of 32Ki elements: 16 buckets
 
