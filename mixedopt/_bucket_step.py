@@ -30,8 +30,7 @@ from ._default_step import upcast_stored
 from ._packing import Workspace, budget
 from ._storage import GradientStorage, WholeBucket
 
-# A bucket member's group index and parameter (``WholeBucket.members``), read in C by ``map``.
-_group_index = operator.itemgetter(0)
+# A bucket member's parameter (``WholeBucket.members``), read in C by ``map``.
 _parameter = operator.itemgetter(1)
 
 
@@ -91,12 +90,10 @@ class BucketSteps:
         group (the common case) the checks are passes in C (``map``), not a Python step per
         parameter.
         """
-        members = bucket.members
-        groups = set(map(_group_index, members))
-        if len(groups) > 1:
+        if len(bucket.groups) > 1:
             return self._states_of_members(bucket, keys, fused)
-        (index,) = groups
-        params = list(map(_parameter, members))
+        (index,) = bucket.groups
+        params = list(map(_parameter, bucket.members))
         if fused[index] and (
             not self._torch_fused
             or max(map(Tensor.numel, params)) > budget(bucket.stored.device).fused_small
@@ -167,8 +164,9 @@ class BucketSteps:
             )
             members = bucket.members
             by_group: dict[int, list[int]] = {}
-            if len(set(map(_group_index, members))) == 1:
-                by_group[members[0][0]] = list(range(len(members)))
+            if len(bucket.groups) == 1:
+                (index,) = bucket.groups
+                by_group[index] = list(range(len(members)))
             else:
                 for row, (index, _) in enumerate(members):
                     by_group.setdefault(index, []).append(row)

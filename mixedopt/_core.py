@@ -354,7 +354,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
             unscale, skip = self._bucket_factors_and_skip(buckets, grad_scale, found_inf)
             skips.append(skip)
         skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
-        bucket_groups = {index for bucket in buckets or () for index, _ in bucket.members}
+        bucket_groups = set().union(*(bucket.groups for bucket in buckets or ()))
         fused = all(self._fused_ready(group, entries) for group, entries in steps) and all(
             self._fused_ready(self.param_groups[index], []) for index in bucket_groups
         )
