@@ -178,12 +178,16 @@ def dense_strides(t: Tensor) -> tuple[int, ...]:
 
 def dense_order(t: Tensor) -> tuple[int, ...] | None:
     """Dimension order (outermost first) in which ``t`` is contiguous; None if not dense."""
+    if t.is_contiguous():  # the common case, without a permuted view
+        return tuple(range(t.dim()))
     order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
     return order if t.permute(order).is_contiguous() else None
 
 
 def flat_view(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
     """A 1-D view of ``t`` in storage order, or None when ``t`` is not dense in ``order``."""
+    if order == tuple(range(t.dim())):  # the common case, without a permuted view
+        return t.view(-1) if t.is_contiguous() else None
     permuted = t.permute(order)
     return permuted.view(-1) if permuted.is_contiguous() else None
 

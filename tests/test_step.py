@@ -335,3 +335,51 @@ def test_torch_compile_of_step_with_fullgraph_refuses_pointing_to_fused():
     autocast_backward(model, torch.randn(4, 6))
     with pytest.raises(Exception, match="use fused=True for a compiled step"):
         torch.compile(opt.step, fullgraph=True)()
+
+
+@pytest.mark.parametrize(
+    "shape,layout",
+    [((1000,), None), ((31, 17), None), ((17, 31), "transposed"), ((2, 3, 5, 7), "channels_last")],
+)
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_one_gradient_is_upcast_as_the_rows_of_a_batch_are(shape, layout, grad_dtype):
+    from mixedopt._default_step import Batch, _upcast_one, _upcast_rows
+    from mixedopt._packing import Workspace
+
+    torch.manual_seed(0)
+    param = torch.randn(shape)
+    if layout == "transposed":
+        param = param.t().contiguous().t()
+    elif layout == "channels_last":
+        param = param.contiguous(memory_format=torch.channels_last)
+    grad = (torch.randn(shape) * 1e3).to(grad_dtype)
+    factors = torch.tensor([3.0e-4])  # not a power of two: the rounding of the product shows
+    batch = Batch(0, 0)
+    batch.add(param, grad, [], {}, None)
+
+    fast = _upcast_one(Workspace(), param, grad, factors[0])
+    (reference,) = _upcast_rows(Workspace(), batch, factors)
+    assert fast.dtype == torch.float32 and fast.stride() == param.stride()
+    assert torch.equal(fast, reference)
+    assert torch.equal(fast, grad.float() * factors[0])
+
+
+@pytest.mark.parametrize("name", ["SGD", "Adam"])
+def test_a_large_parameter_whose_gradient_has_another_layout_steps_as_torch_does(name, monkeypatch):
+    # Larger than a batch, so that step() would cut it, but its gradient is not in its layout:
+    # it is updated whole.
+    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 64)
+    torch.manual_seed(0)
+    weight = torch.randn(24, 16)
+    kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}
+    mine = nn.Parameter(weight.clone())
+    theirs = nn.Parameter(weight.clone())
+    opt = getattr(mixedopt, name)([mine], **kwargs)
+    reference = getattr(torch.optim, name)([theirs], foreach=False, **kwargs)
+    for _ in range(2):
+        grad = torch.randn(16, 24).t()  # column-major, the weight row-major
+        mine.grad, theirs.grad = grad.clone().t().contiguous().t(), grad.clone()
+        assert not mine.grad.is_contiguous()
+        opt.step()
+        reference.step()
+    assert torch.equal(mine, theirs)
