@@ -96,7 +96,7 @@ class BucketSteps:
         params = list(map(_parameter, bucket.members))
         if fused[index] and (
             not self._torch_fused
-            or max(map(Tensor.numel, params)) > budget(bucket.stored.device).fused_small
+            or max(bucket.layout.numels) > budget(bucket.stored.device).fused_small
         ):
             return None
         if not keys[index]:  # like the parent, an optimizer without state (SGD) records none
@@ -162,23 +162,41 @@ class BucketSteps:
             grads = upcast_stored(
                 self._workspace, bucket.stored, bucket.layout, bucket.runs, factors
             )
-            members = bucket.members
-            by_group: dict[int, list[int]] = {}
-            if len(bucket.groups) == 1:
-                (index,) = bucket.groups
-                by_group[index] = list(range(len(members)))
-            else:
-                for row, (index, _) in enumerate(members):
-                    by_group.setdefault(index, []).append(row)
-            for index, chosen in by_group.items():
+            for index, params, group_grads, states in self._by_group(bucket, grads):
                 group = groups[index]
-                states = [bucket.states[row] for row in chosen] if keys[index] else []
+                states = states if keys[index] else []
                 found = None if skip is None or not group.get("fused") else skip.to(device).float()
                 self._update(
                     group,
-                    [members[row][1] for row in chosen],
-                    [grads[row] for row in chosen],
+                    params,
+                    group_grads,
                     {key: list(map(operator.itemgetter(key), states)) for key in keys[index]},
                     [s["step"] for s in states if "step" in s],
                     found_inf=found,
                 )
+
+    @staticmethod
+    def _by_group(
+        bucket: WholeBucket, grads: list[Tensor]
+    ) -> list[tuple[int, list[Tensor], list[Tensor], list[Any]]]:
+        """``(group index, parameters, gradients, states)`` of each group ``bucket`` spans.
+
+        A bucket of one group (the common case) is taken as it is, without a step per row.
+        """
+        members = bucket.members
+        if len(bucket.groups) == 1:
+            (index,) = bucket.groups
+            # A copy of the list of views: the workspace keeps the one it made.
+            return [(index, list(map(_parameter, members)), list(grads), bucket.states)]
+        rows_of: dict[int, list[int]] = {}
+        for row, (index, _) in enumerate(members):
+            rows_of.setdefault(index, []).append(row)
+        return [
+            (
+                index,
+                [members[row][1] for row in rows],
+                [grads[row] for row in rows],
+                [bucket.states[row] for row in rows],
+            )
+            for index, rows in rows_of.items()
+        ]
