@@ -30,9 +30,6 @@ from ._default_step import upcast_stored
 from ._packing import Workspace, budget
 from ._storage import GradientStorage, WholeBucket
 
-# A bucket member's parameter (``WholeBucket.members``), read in C by ``map``.
-_parameter = operator.itemgetter(1)
-
 
 class BucketSteps:
     """Takes and updates the whole buckets of a step; see the module's docstring."""
@@ -73,7 +70,7 @@ class BucketSteps:
         for bucket in found:
             states = self._states_of(bucket, keys, fused)
             if states is None:
-                left += len(bucket.members)  # the reference path takes them
+                left += len(bucket.params)  # the reference path takes them
             else:
                 bucket.states = states
                 taken.append(bucket)
@@ -93,7 +90,7 @@ class BucketSteps:
         if len(bucket.groups) > 1:
             return self._states_of_members(bucket, keys, fused)
         (index,) = bucket.groups
-        params = list(map(_parameter, bucket.members))
+        params = bucket.params
         if fused[index] and (
             not self._torch_fused
             or max(bucket.layout.numels) > budget(bucket.stored.device).fused_small
@@ -115,7 +112,7 @@ class BucketSteps:
         """``_states_of`` for a bucket that spans groups, parameter by parameter."""
         fused_small = budget(bucket.stored.device).fused_small
         states = []
-        for index, param in bucket.members:
+        for index, param in zip(bucket.indices, bucket.params, strict=True):
             if fused[index] and (not self._torch_fused or param.numel() > fused_small):
                 return None
             if keys[index]:
@@ -183,18 +180,17 @@ class BucketSteps:
 
         A bucket of one group (the common case) is taken as it is, without a step per row.
         """
-        members = bucket.members
         if len(bucket.groups) == 1:
             (index,) = bucket.groups
             # A copy of the list of views: the workspace keeps the one it made.
-            return [(index, list(map(_parameter, members)), list(grads), bucket.states)]
+            return [(index, bucket.params, list(grads), bucket.states)]
         rows_of: dict[int, list[int]] = {}
-        for row, (index, _) in enumerate(members):
+        for row, index in enumerate(bucket.indices):
             rows_of.setdefault(index, []).append(row)
         return [
             (
                 index,
-                [members[row][1] for row in rows],
+                [bucket.params[row] for row in rows],
                 [grads[row] for row in rows],
                 [bucket.states[row] for row in rows],
             )

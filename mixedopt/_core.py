@@ -429,7 +429,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
         buckets, left = self._take_whole_buckets(params)
         if not left:  # every gradient is in a whole bucket (-1: not looked for)
             return buckets, []
-        taken = {id(param) for bucket in buckets for _, param in bucket.members}
+        taken = {id(param) for bucket in buckets for param in bucket.params}
         if params is None:
             params = [group["params"] for group in self.param_groups]
         steps = [

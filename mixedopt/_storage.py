@@ -302,19 +302,20 @@ class _StoredBucket:
 class WholeBucket:
     """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
 
-    __slots__ = ("stats", "members", "groups", "stored", "layout", "runs", "states")
+    __slots__ = ("stats", "params", "indices", "groups", "stored", "layout", "runs", "states")
 
     def __init__(
         self,
         stats: Tensor,
-        members: list[Any],
-        groups: set[int],
+        params: list[Tensor],
+        indices: list[int],
         stored: Tensor,
         plan: _BucketPlan,
     ):
         self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
-        self.members = members  # (group index, parameter) of each row, in row order
-        self.groups = groups  # the group indices of its members
+        self.params = params  # the parameter of each row, in row order
+        self.indices = indices  # the index of each one's group
+        self.groups = set(indices)
         self.stored = stored  # the 16-bit buffer of rows, and its layout and views
         self.layout: RowLayout = plan.layout
         self.runs: ViewRuns = plan.runs
@@ -646,8 +647,7 @@ class GradientStorage:
             ):
                 continue
             indices = list(map(group_of.__getitem__, ids))
-            members = list(zip(indices, params, strict=True))
-            whole.append(WholeBucket(stats, members, set(indices), stored, record.plan))
+            whole.append(WholeBucket(stats, params, indices, stored, record.plan))
             taken += len(params)
         return whole, with_grad - taken
 
