@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from ._default_step import upcast_stored
-from ._packing import Workspace, budget
+from ._packing import Workspace, budget, dense
 from ._storage import GradientStorage, WholeBucket
 
 
@@ -94,6 +94,7 @@ class BucketSteps:
         if fused[index] and (
             not self._torch_fused
             or max(bucket.layout.numels) > budget(bucket.stored.device).fused_small
+            or not dense(params)  # see _core.MixedPrecisionOptimizer._fused
         ):
             return None
         if not keys[index]:  # like the parent, an optimizer without state (SGD) records none
@@ -113,7 +114,9 @@ class BucketSteps:
         fused_small = budget(bucket.stored.device).fused_small
         states = []
         for index, param in zip(bucket.indices, bucket.params, strict=True):
-            if fused[index] and (not self._torch_fused or param.numel() > fused_small):
+            if fused[index] and (
+                not self._torch_fused or param.numel() > fused_small or not dense([param])
+            ):
                 return None
             if keys[index]:
                 found_state = self.state.get(param)

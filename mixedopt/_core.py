@@ -540,6 +540,20 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
             return elements <= _packing.CPU_SMALL * len(params)
         return foreach
 
+    @staticmethod
+    def _fused(group: dict[str, Any], params: list[Tensor]) -> bool:
+        """Whether a batch of ``params`` takes the parent's fused implementation.
+
+        A ``fused=True`` group's batch, unless a parameter is not dense: torch's fused kernels
+        walk a tensor's memory from its first element to its size, which is right for a dense
+        tensor whose gradient and state share its strides (as mixedopt's do). On a strided view
+        with gaps (torch 2.13, CPU), ``torch.optim.SGD(fused=True)`` updates other elements
+        and writes into the gaps, memory that is not the parameter's. Such a batch takes torch's
+        other implementations, and ``fused=True`` steps give such parameters to the compiled
+        kernels.
+        """
+        return bool(group.get("fused")) and _packing.dense(params)
+
     def _step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
         keys = self._state_keys(group)
         for e in entries:

@@ -227,7 +227,11 @@ class FusedSteps:
                     e.state = self.state[e.param]
             if self._torch_fused:
                 small = budget(device).fused_small
-                taken = [i for i, e in enumerate(device_entries) if e.param.numel() <= small]
+                taken = [
+                    i
+                    for i, e in enumerate(device_entries)
+                    if e.param.numel() <= small and dense_order(e.param) is not None  # _core._fused
+                ]
                 if taken:
                     self._torch_fused_update(
                         group, device_entries, device_factors, taken, device_skip

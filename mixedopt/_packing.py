@@ -184,6 +184,16 @@ def dense_order(t: Tensor) -> tuple[int, ...] | None:
     return order if t.permute(order).is_contiguous() else None
 
 
+def dense(tensors: Sequence[Tensor]) -> bool:
+    """Whether every tensor of ``tensors`` is dense: contiguous in some order of its dimensions.
+
+    Torch's fused kernels need it (``_core.MixedPrecisionOptimizer._fused``).
+    """
+    return all(map(Tensor.is_contiguous, tensors)) or all(
+        dense_order(t) is not None for t in tensors
+    )
+
+
 def flat_view(t: Tensor, order: tuple[int, ...]) -> Tensor | None:
     """A 1-D view of ``t`` in storage order, or None when ``t`` is not dense in ``order``."""
     if order == tuple(range(t.dim())):  # the common case, without a permuted view

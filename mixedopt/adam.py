@@ -41,6 +41,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
         found_inf: Tensor | None = None,
     ) -> None:
         beta1, beta2 = group["betas"]
+        fused = self._fused(group, params)
         adam(
             params,
             grads,
@@ -55,8 +56,8 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            foreach=None if group["fused"] else self._foreach(group, params),
-            fused=group["fused"],
+            foreach=None if fused else self._foreach(group, params),
+            fused=fused,
             found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )

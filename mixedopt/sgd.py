@@ -40,6 +40,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
         steps: list[Tensor],
         found_inf: Tensor | None = None,
     ) -> None:
+        fused = self._fused(group, params)
         sgd(
             params,
             grads,
@@ -50,8 +51,8 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            foreach=None if group["fused"] else self._foreach(group, params),
-            fused=group["fused"],
+            foreach=None if fused else self._foreach(group, params),
+            fused=fused,
             found_inf=found_inf,
         )
 

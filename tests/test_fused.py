@@ -192,6 +192,31 @@ def test_small_parameters_take_torchs_fused_update_where_the_parent_has_one(name
             assert torch.equal(opt.state[p][key], value)
 
 
+@pytest.mark.parametrize("name", ["Adam", "AdamW", "SGD"])
+def test_fused_step_of_a_parameter_with_gaps_writes_only_its_own_elements(name):
+    """torch's fused kernels would walk its memory as if it were contiguous (torch 2.13)."""
+    mixed_cls, torch_cls = OPTIMIZERS[name]
+    kwargs = dict(lr=0.01, weight_decay=0.01, **({"momentum": 0.9} if name == "SGD" else {}))
+    torch.manual_seed(0)
+    memory = torch.zeros(4, 24)
+    param = nn.Parameter(memory[:, ::2])  # every other column of memory
+    with torch.no_grad():
+        param.copy_(torch.randn(4, 12))
+    reference = nn.Parameter(param.detach().clone())
+    opt = mixed_cls([param], fused=True, **kwargs)
+    ref = torch_cls([reference], foreach=False, **kwargs)
+    for _ in range(3):  # the first step on the default path, then fused ones
+        (param * torch.randn(4, 12)).sum().backward()
+        reference.grad = opt.true_grad(param)
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+    assert torch.equal(memory[:, 1::2], torch.zeros(4, 12))
+    torch.testing.assert_close(param, reference)
+    for key, value in ref.state[reference].items():
+        torch.testing.assert_close(opt.state[param][key], value)
+
+
 def test_compiled_calls_of_a_group_are_bounded_by_its_bytes(monkeypatch, small_packs):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(n)) for n in [10] * 40 + [100, 300]]
