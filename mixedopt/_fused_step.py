@@ -9,10 +9,11 @@ The compiled kernels run in a bounded number of calls. Parameters of up to ``fus
 elements are packed (``_packing.py``): their weights, gradients and state are copied into
 buffers of rows (one ``_foreach_copy_`` for all), updated by one compiled call per ``capacity``
 elements, with each parameter's factor and step coefficients given per row, and copied back. A
-larger parameter is updated in place by a compiled call of its own, on 1-D aliases of its
-memory: its bytes outweigh the cost of a call. So a group costs one compiled call per
-``fused_small`` elements of its parameters at most (and two compiled variants of each kernel:
-packed rows, and one parameter), whatever the number of parameters.
+larger parameter is updated in place, on 1-D aliases of its memory: its bytes outweigh the cost
+of a copy, but not that of a call, so ``_fused.PARAMETERS_PER_CALL`` of them share one compiled
+call. So a group costs one compiled call per ``fused_small`` elements of its parameters at most
+(and two compiled variants of each kernel: packed rows, and a list of large parameters),
+whatever the number of parameters.
 
 The step counters advance outside the kernels, with one ``_foreach_add_``.
 """
@@ -102,21 +103,33 @@ def fused_update(
             ):
                 return sorted(set(range(len(entries))) - set(done))
             done += pack
+        # Large parameters: dense ones by lists (one compiled call for several), others alone.
+        lists: dict[torch.dtype, list[tuple[int, tuple[Tensor | None, ...]]]] = {}
         for i in large:
-            e = entries[i]
-            param, grad, states = _large_tensors(e, keys, workspace)
+            param, grad, states = _large_tensors(entries[i], keys, workspace)
             by_key = dict(zip(keys, states, strict=True))
-            arguments = (
-                param,
-                grad,
-                factors[i],
-                *[by_key.get(key) for key in state_order],
-                *[c[i] for c in coefficients],
-                *shared,
-            )
-            if not _fused.run(kernel, arguments):
+            tensors = (param, grad, *[by_key.get(key) for key in state_order])
+            if param.dim() == 1 and grad.dim() == 1 and param.is_contiguous():
+                lists.setdefault(grad.dtype, []).append((i, tensors))
+                continue
+            arguments = (*tensors[:2], factors[i], *tensors[2:], *[c[i] for c in coefficients])
+            if not _fused.run(kernel, (*arguments, *shared)):
                 return sorted(set(range(len(entries))) - set(done))
             done.append(i)
+        length = _fused.PARAMETERS_PER_CALL
+        for listed in lists.values():
+            for start in range(0, len(listed), length):
+                chosen = listed[start : start + length]
+                padding = workspace.padding(length - len(chosen), chosen[0][1])
+                # Scratch parameters take the first one's factor and coefficients.
+                positions = [i for i, _ in chosen] + [chosen[0][0]] * len(padding)
+                index = workspace.index(positions, device)
+                parameters = [tensors for _, tensors in chosen] + padding
+                vectors = [c.index_select(0, index) for c in coefficients]
+                selected = factors.index_select(0, index)
+                if not _fused.run_each(kernel, parameters, selected, vectors, shared):
+                    return sorted(set(range(len(entries))) - set(done))
+                done += [i for i, _ in chosen]
         return []
 
 

@@ -330,6 +330,7 @@ class Workspace:
         self._indices = IndexCache()
         # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
         self.aliases: dict[int, tuple[tuple[Any, ...], list[Tensor]]] = {}
+        self._padding: dict[tuple[Any, ...], list[tuple[Tensor | None, ...]]] = {}
 
     def clear(self) -> None:
         """Forget every buffer, view and alias (the state was replaced: ``load_state_dict``)."""
@@ -337,6 +338,23 @@ class Workspace:
         self._views.clear()
         self._run_views.clear()
         self.aliases.clear()
+
+    def padding(self, count: int, like: Sequence[Tensor | None]) -> list[tuple[Tensor | None, ...]]:
+        """``count`` scratch parameters like ``like`` (a parameter's tensors, ``None`` kept).
+
+        Zeros of 2 elements, each tensor an allocation of its own: compiled code specialises
+        on inputs that share memory, and on sizes 0 and 1.
+        """
+        key = tuple(None if t is None else (t.device, t.dtype) for t in like)
+        found = self._padding.setdefault(key, [])
+        while len(found) < count:
+            found.append(
+                tuple(
+                    None if t is None else torch.zeros(2, dtype=t.dtype, device=t.device)
+                    for t in like
+                )
+            )
+        return found[:count]
 
     def layout(self, numels: Sequence[int], device: torch.device) -> RowLayout:
         return self._layouts.get(numels, device)

@@ -141,15 +141,24 @@ def test_fused_packs_and_single_parameters_match_the_default_path(name, options,
 
 
 def compiled_calls(opt, monkeypatch):
-    """Count the compiled calls of the optimizer's fused steps from now on."""
+    """Record the compiled calls of the optimizer's fused steps from now on.
+
+    A call on one pack or parameter records its shape; a call on a list of large parameters
+    records their sizes.
+    """
     calls = []
-    run = mixedopt._fused.run
+    run, run_each = mixedopt._fused.run, mixedopt._fused.run_each
 
     def counting(kernel, arguments):
         calls.append(arguments[0].shape)
         return run(kernel, arguments)
 
+    def counting_each(kernel, parameters, *rest):
+        calls.append([tensors[0].numel() for tensors in parameters])
+        return run_each(kernel, parameters, *rest)
+
     monkeypatch.setattr(mixedopt._fused_step._fused, "run", counting)
+    monkeypatch.setattr(mixedopt._fused_step._fused, "run_each", counting_each)
     return calls
 
 
@@ -228,8 +237,34 @@ def test_compiled_calls_of_a_group_are_bounded_by_its_bytes(monkeypatch, small_p
             (p * torch.randn(p.shape)).sum().backward()
         opt.step()
         opt.zero_grad()
-    # 40 parameters of one row each in packs of 256 // 64 = 4 rows, and 2 parameters alone.
-    assert len(calls) == 10 + 2
+    # 40 parameters of one row each in packs of 256 // 64 = 4 rows, and the 2 large parameters
+    # in one call, padded to PARAMETERS_PER_CALL with scratch ones of 2 elements.
+    padding = [2] * (mixedopt._fused.PARAMETERS_PER_CALL - 2)
+    assert calls == [torch.Size([4, 64])] * 10 + [[100, 300, *padding]]
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_large_parameters_share_compiled_calls_and_match_the_default_path(
+    name, monkeypatch, small_packs
+):
+    """Dense ones by PARAMETERS_PER_CALL (the last call padded); one not dense on its own."""
+    kwargs = dict(lr=0.01, **OPTIONS[name])
+    shapes = [(30,), (5, 8), (41,), (6, 7), (50,), (4, 12)]
+    twins = Twins(name, kwargs, shapes, seed=2, reference=unfused(name), fused=True)
+    for p in (twins.params[1], twins.ref_params[1]):
+        p.data = p.data.t().contiguous().t()  # dense, column-major
+    for p in (twins.params[5], twins.ref_params[5]):
+        p.data = torch.zeros(4, 24)[:, ::2].copy_(p.data)  # not dense
+    for step, magnitude in enumerate((-3, 0, -7, 2)):
+        if step == 2:  # the first fused step (the second) has compiled
+            calls = compiled_calls(twins.opt, monkeypatch)
+        twins.feed_reference(twins.backward(magnitude))
+        twins.opt.step()
+        twins.ref.step()
+        twins.assert_equal(scale_ulps=8)
+        twins.zero_grad()
+    assert mixedopt._fused.PARAMETERS_PER_CALL == 2
+    assert calls == [torch.Size([4, 12]), [30, 40], [41, 42], [50, 2]] * 2
 
 
 def test_the_number_of_compiled_graphs_does_not_grow_with_the_number_of_parameters():
@@ -278,6 +313,25 @@ def test_a_param_group_added_with_a_known_layout_does_not_recompile(small_packs)
         if step == 3:  # other sizes, another learning rate: the same compiled layouts
             added = [nn.Parameter(torch.randn(n)) for n in (7, 19, 33, 50)]
             opt.add_param_group({"params": added, "lr": 0.01})
+            params += added
+        for p in params:
+            (p * torch.randn(p.shape)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert graphs_compiled() == compiled
+
+
+def test_large_parameters_first_seen_with_equal_sizes_take_other_sizes_without_recompiling(
+    small_packs,
+):
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(40)) for _ in range(2)]  # one compiled call, equal sizes
+    opt = mixedopt.RMSprop(params, lr=0.1, fused=True)
+    for step in range(5):
+        if step == 2:
+            compiled = graphs_compiled()
+            added = [nn.Parameter(torch.randn(n)) for n in (33, 50)]
+            opt.add_param_group({"params": added})
             params += added
         for p in params:
             (p * torch.randn(p.shape)).sum().backward()
