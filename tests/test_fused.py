@@ -45,6 +45,14 @@ def graphs_compiled():
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
+def step_on_random_gradients(opt, params):
+    """A backward with a random gradient for each of ``params``, a step and ``zero_grad()``."""
+    for p in params:
+        (p * torch.randn(p.shape)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
 @given(scenarios(), st.sampled_from([None, 0.5]), st.booleans())
 def test_fused_step_matches_the_default_path(s, max_grad_norm, inject_nan):
     s["kwargs"]["foreach"] = None  # fused and foreach exclude each other, as in torch.optim
@@ -82,10 +90,7 @@ def test_changing_the_learning_rate_or_stepping_does_not_recompile(name):
     for step in range(8):
         if step == 2:  # state exists and the first fused step has compiled
             compiled = graphs_compiled()
-        for p in params:
-            (p * torch.randn(p.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        step_on_random_gradients(opt, params)
         schedule.step()
     assert graphs_compiled() == compiled
 
@@ -233,10 +238,7 @@ def test_compiled_calls_of_a_group_are_bounded_by_its_bytes(monkeypatch, small_p
     for step in range(3):
         if step == 2:
             calls = compiled_calls(opt, monkeypatch)
-        for p in params:
-            (p * torch.randn(p.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        step_on_random_gradients(opt, params)
     # 40 parameters of one row each in packs of 256 // 64 = 4 rows, and the 2 large parameters
     # in one call, padded to PARAMETERS_PER_CALL with scratch ones of 2 elements.
     padding = [2] * (mixedopt._fused.PARAMETERS_PER_CALL - 2)
@@ -314,10 +316,7 @@ def test_a_param_group_added_with_a_known_layout_does_not_recompile(small_packs)
             added = [nn.Parameter(torch.randn(n)) for n in (7, 19, 33, 50)]
             opt.add_param_group({"params": added, "lr": 0.01})
             params += added
-        for p in params:
-            (p * torch.randn(p.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        step_on_random_gradients(opt, params)
     assert graphs_compiled() == compiled
 
 
@@ -333,10 +332,7 @@ def test_large_parameters_first_seen_with_equal_sizes_take_other_sizes_without_r
             added = [nn.Parameter(torch.randn(n)) for n in (33, 50)]
             opt.add_param_group({"params": added})
             params += added
-        for p in params:
-            (p * torch.randn(p.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        step_on_random_gradients(opt, params)
     assert graphs_compiled() == compiled
 
 
@@ -348,10 +344,7 @@ def test_packs_of_other_size_patterns_do_not_recompile(small_packs):
     for step in range(4):
         if step == 2:
             compiled = graphs_compiled()
-        for p in params:
-            (p * torch.randn(p.shape)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+        step_on_random_gradients(opt, params)
     assert graphs_compiled() == compiled
 
 
