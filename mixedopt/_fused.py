@@ -225,7 +225,10 @@ def compiled(kernel: Callable[..., None]) -> Callable[..., None]:
         # The last elements of a loop (fewer than a vector) run as scalar code instead of a
         # second, masked vector copy of the loop: a shorter compile (Adam over four large
         # parameters, first step 17.0 -> 14.8 s on a 2-core CPU) for at most 7 elements each.
-        options = {"cpp.dynamic_threads": True, "cpp.enable_loop_tail_vec": False}
+        options: dict[str, str | int | bool | Callable[..., Any]] = {
+            "cpp.dynamic_threads": True,
+            "cpp.enable_loop_tail_vec": False,
+        }
         _compiled[kernel] = torch.compile(kernel, dynamic=True, fullgraph=True, options=options)
     return _compiled[kernel]
 
@@ -253,7 +256,7 @@ def recompiles_allowed() -> Iterator[None]:
     """
     with (
         torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
-        torch.fx.experimental._config.patch(use_duck_shape=False),
+        torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
     ):
         yield
 

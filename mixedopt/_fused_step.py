@@ -119,17 +119,17 @@ def fused_update(
         length = _fused.PARAMETERS_PER_CALL
         for listed in lists.values():
             for start in range(0, len(listed), length):
-                chosen = listed[start : start + length]
-                padding = workspace.padding(length - len(chosen), chosen[0][1])
+                one_call = listed[start : start + length]
+                padding = workspace.padding(length - len(one_call), one_call[0][1])
                 # Scratch parameters take the first one's factor and coefficients.
-                positions = [i for i, _ in chosen] + [chosen[0][0]] * len(padding)
+                positions = [i for i, _ in one_call] + [one_call[0][0]] * len(padding)
                 index = workspace.index(positions, device)
-                parameters = [tensors for _, tensors in chosen] + padding
+                parameters = [tensors for _, tensors in one_call] + padding
                 vectors = [c.index_select(0, index) for c in coefficients]
                 selected = factors.index_select(0, index)
                 if not _fused.run_each(kernel, parameters, selected, vectors, shared):
                     return sorted(set(range(len(entries))) - set(done))
-                done += [i for i, _ in chosen]
+                done += [i for i, _ in one_call]
         return []
 
 
