@@ -515,6 +515,41 @@ def test_without_a_compiler_fused_falls_back_to_the_default_path_with_one_warnin
     assert "fell back" in result.stdout
 
 
+COMPILE_ON_THE_CALLING_THREAD = textwrap.dedent(
+    """
+    import torch
+    from torch._dynamo.utils import counters
+    from torch._inductor.async_compile import AsyncCompile
+    import mixedopt
+    params = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
+    opt = mixedopt.RMSprop(params, lr=0.1, fused=True)
+    for step in range(2):
+        for p in params:
+            (p * 2.0).sum().backward()
+        opt.step()
+    print("graphs", counters["stats"]["unique_graphs"])
+    print("pool", AsyncCompile.pool.cache_info().currsize)
+    """
+)
+
+
+def test_fused_kernels_are_compiled_on_the_calling_thread(tmp_path):
+    # Inductor's own thread pool is not started: a compile inside an updating backward hands
+    # no work to another thread. A fresh cache makes the kernels compile for real.
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_ON_THE_CALLING_THREAD],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = dict(line.split() for line in result.stdout.splitlines())
+    assert int(lines["graphs"]) > 0
+    assert lines["pool"] == "0"
+
+
 @needs_cuda
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fused_step_on_cuda_does_not_synchronise_with_the_host(name):
