@@ -506,13 +506,18 @@ NO_COMPILER = textwrap.dedent(
 )
 
 
-def test_without_a_compiler_fused_falls_back_to_the_default_path_with_one_warning(tmp_path):
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
+def run_with_an_empty_compile_cache(script, cache_dir):
+    """Run ``script`` in a new interpreter whose Inductor cache is ``cache_dir``; its stdout."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
     result = subprocess.run(
-        [sys.executable, "-c", NO_COMPILER], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "fell back" in result.stdout
+    return result.stdout
+
+
+def test_without_a_compiler_fused_falls_back_to_the_default_path_with_one_warning(tmp_path):
+    assert "fell back" in run_with_an_empty_compile_cache(NO_COMPILER, tmp_path)
 
 
 COMPILE_ON_THE_CALLING_THREAD = textwrap.dedent(
@@ -535,17 +540,9 @@ COMPILE_ON_THE_CALLING_THREAD = textwrap.dedent(
 
 def test_fused_kernels_are_compiled_on_the_calling_thread(tmp_path):
     # Inductor's own thread pool is not started: a compile inside an updating backward hands
-    # no work to another thread. A fresh cache makes the kernels compile for real.
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path))
-    result = subprocess.run(
-        [sys.executable, "-c", COMPILE_ON_THE_CALLING_THREAD],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = dict(line.split() for line in result.stdout.splitlines())
+    # no work to another thread. An empty cache makes the kernels compile for real.
+    stdout = run_with_an_empty_compile_cache(COMPILE_ON_THE_CALLING_THREAD, tmp_path)
+    lines = dict(line.split() for line in stdout.splitlines())
     assert int(lines["graphs"]) > 0
     assert lines["pool"] == "0"
 
