@@ -56,6 +56,7 @@ itself, or one float32 copy when it is added to an earlier one.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import operator
@@ -107,6 +108,32 @@ _grad_of = operator.attrgetter("grad")
 _is_sparse = operator.attrgetter("is_sparse")
 _stride_of = Tensor.stride  # the unbound method: half the time of methodcaller("stride")
 _call = weakref.ref.__call__
+
+
+def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``method`` as storage work: a ``release`` that comes in the middle of it waits.
+
+    Optimizers let go of their parameters from a finalizer, which runs whenever the garbage
+    collector does: inside a store, or inside the consumer a store calls (an update of
+    ``step_in_backward``, which may compile). Storing there would store again what is being
+    stored, or call that consumer from inside itself. The release runs when the outermost
+    such method returns.
+    """
+
+    @functools.wraps(method)
+    def working(self: GradientStorage, *args: Any, **kwargs: Any) -> Any:
+        self._working += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._working -= 1
+            if not self._working and self._waiting_releases:
+                waiting, self._waiting_releases = self._waiting_releases, []
+                for holder in waiting:
+                    self.release(holder)
+
+    return working
+
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -358,6 +385,8 @@ class GradientStorage:
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
         self._consumed = 0  # slots with a consumer
+        self._working = 0  # storage methods running (``_deferring_releases``)
+        self._waiting_releases: list[set[int]] = []  # releases that came during them
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
@@ -510,6 +539,7 @@ class GradientStorage:
         param.grad = incoming  # true values until stored, as torch.optim would have them
         return (None,)  # taken: autograd stores nothing
 
+    @_deferring_releases
     def flush(self) -> None:
         """Store every gradient still waiting in a bucket."""
         for bucket in list(self._buckets.values()):
@@ -542,6 +572,7 @@ class GradientStorage:
         """``_storage_scales`` of one largest magnitude read on the host."""
         return power_of_two_scale_on_host(amax) if self.grad_dtype == torch.float16 else 1.0
 
+    @_deferring_releases
     @torch.no_grad()
     def _store_bucket(self, bucket: _Bucket) -> None:
         """Store a bucket's gradients: a fixed number of operations for all of them."""
@@ -681,6 +712,7 @@ class GradientStorage:
             last = self._staging_rows[device] = (layout, rows)
         return staging, last[1]
 
+    @_deferring_releases
     @torch.no_grad()
     def _store_alone(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> None:
         """Store one gradient (added to ``previous``) with its own operations."""
@@ -837,8 +869,12 @@ class GradientStorage:
         """Let go of the parameters ``holder`` holds.
 
         Those no optimizer holds any more lose their hook and get their true float32 gradient
-        back (what waits in a bucket is stored first).
+        back (what waits in a bucket is stored first). Called in the middle of storage work (by
+        a finalizer), it runs when that work ends.
         """
+        if self._working:
+            self._waiting_releases.append(holder)
+            return
         self.flush()
         for key in holder:
             slot = self._slots.get(key)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import gc
 import io
+import threading
 import warnings
 
 import pytest
@@ -342,3 +344,37 @@ def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentr
         ref.zero_grad()
     for p, q in zip(blocks.parameters(), twin_blocks.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
+
+
+def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it():
+    # An optimizer that dies in a reference cycle is let go by a finalizer, whenever the garbage
+    # collector runs: here in the middle of an update of the updating backward. Letting it go
+    # stores what waits in the shared gradient storage, which must wait for that update to end
+    # (the update holds the parameters' state), not call it again from inside itself.
+    pair = Pair("RMSprop", {"lr": 1e-2}, [(40, 50), (50,), (3, 7)], seed=3)
+    other = nn.Parameter(torch.randn(10))
+    doomed = [mixedopt.RMSprop([other], lr=1e-2)]
+    doomed.append(doomed)  # a cycle: only the garbage collector frees it
+    original = pair.in_backward._step_entries
+
+    def collect_then_step(*args, **kwargs):
+        if doomed:
+            doomed.clear()
+            gc.collect()  # runs the dead optimizer's finalizer now
+        return original(*args, **kwargs)
+
+    pair.in_backward._step_entries = collect_then_step
+    finished = threading.Event()
+
+    def iterate():
+        with slice_elements(1000):  # the (40, 50) weight is stored alone, in its own call
+            pair.iteration([0.0])
+        finished.set()
+
+    worker = threading.Thread(target=iterate, daemon=True)
+    worker.start()
+    worker.join(timeout=120)
+    assert finished.is_set(), "the updating backward did not end"
+    assert not doomed
+    pair.assert_equal()
+    assert other not in pair.opt._grad_storage  # the dead optimizer's parameter was let go
