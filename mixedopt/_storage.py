@@ -208,7 +208,9 @@ class _Slot:
         # Holding the AccumulateGrad node keeps it (and the hook on it) alive between backwards.
         # A view records its grad_fn only with grad mode on (an optimizer made under no_grad).
         with torch.enable_grad():
-            self.accumulator: Any = param.view_as(param).grad_fn.next_functions[0][0]
+            grad_fn = param.view_as(param).grad_fn
+        assert grad_fn is not None, "under grad mode a view of a parameter records its grad_fn"
+        self.accumulator: Any = grad_fn.next_functions[0][0]
         self.handles: list[Any] = []
         self.original_grad_dtype = param.grad_dtype
         self.holders = 0  # optimizers holding the parameter: the slot goes with the last one
@@ -897,7 +899,9 @@ class GradientStorage:
             handle.remove()
         param = slot.param
         if param.grad is not None and not param.grad.is_sparse and not slot.engine_owned:
-            param.grad = self.true_grad(param).to(param.dtype)
+            true = self.true_grad(param)
+            assert true is not None, "release() stored what waited: param.grad is still set"
+            param.grad = true.to(param.dtype)
         param.grad_dtype = slot.original_grad_dtype
         del self._slots[id(param)]
         if _managed.get(param) is self:
