@@ -37,7 +37,8 @@ from ._distributed import full_values, is_dtensor
 from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
 from ._packing import Entry, Workspace, by_device, dense_order, flat_view
-from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, WholeBucket, abs_max
+from ._scales import abs_max
+from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, WholeBucket
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 _LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))

@@ -58,7 +58,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import math
 import operator
 import warnings
 import weakref
@@ -82,17 +81,13 @@ from ._packing import (
     flat_view,
     rows_for,
 )
+from ._scales import abs_max, abs_max_on_host, power_of_two_scale, power_of_two_scale_on_host
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
 # Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
 Consumer = Callable[[list[Tensor]], None]
 
-# The stored tensor's largest magnitude lands in [2**(E-1), 2**E): 256x headroom below float16's
-# largest value, and 2**-22 of it still a normal float16 number.
-_TARGET_EXPONENT = 8
-# Keeps the scale and its inverse finite, normal float32 numbers.
-_MAX_SCALE_EXPONENT = 126
 # Elements of one piece of a large gradient scaled on a CPU (``_scale_into``): 1 MiB of float32,
 # which stays in a core's cache between the multiplication and the rounding copy (measured on
 # a 4-layer 1024-wide MLP: backward 0.5-1.1 ms faster than with pieces of 1 Mi elements).
@@ -139,45 +134,6 @@ def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # The storage of each grad_dtype, shared by every optimizer of the process (``shared``).
 _shared: dict[torch.dtype, GradientStorage] = {}
-
-
-def power_of_two_scale(amax: Tensor) -> Tensor:
-    """Return ``2**k`` with ``amax * 2**k`` in ``[2**7, 2**8)`` (``2**8`` for a zero ``amax``).
-
-    Elementwise, for one or many tensors. A non-finite ``amax`` gives a scale that keeps the
-    stored tensor non-finite, so that ``step()`` sees it.
-    """
-    _, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
-    k = (_TARGET_EXPONENT - exponent).clamp_(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)
-    # 2.0**k is exact for these k (torch.ldexp is computed the same way).
-    return torch.pow(2.0, k).to(amax.dtype)
-
-
-def power_of_two_scale_on_host(amax: float) -> float:
-    """``power_of_two_scale`` of one float32 value read on the host (the same scale, bitwise)."""
-    _, exponent = math.frexp(amax)  # (nan or inf, 0) for nan and inf, as torch.frexp gives
-    k = min(max(_TARGET_EXPONENT - exponent, -_MAX_SCALE_EXPONENT), _MAX_SCALE_EXPONENT)
-    return math.ldexp(1.0, k)
-
-
-def abs_max_on_host(t: Tensor) -> float:
-    """``abs_max(t)`` read on the host, as a Python float."""
-    if t.numel() == 0:
-        return 0.0
-    low, high = (value.item() for value in torch.aminmax(t))
-    return max(-low, high)  # a NaN anywhere makes both NaN, and max() keeps it
-
-
-def abs_max(t: Tensor) -> Tensor:
-    """Largest magnitude of ``t`` as a 0-dim float32 tensor (0 for an empty tensor).
-
-    inf or NaN anywhere in ``t`` gives inf or NaN. ``aminmax`` is used because it is many times
-    faster on CPU than an inf-norm or ``abs().max()``.
-    """
-    if t.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=t.device)
-    low, high = torch.aminmax(t)
-    return torch.maximum(high, -low).float()
 
 
 class _Slot:

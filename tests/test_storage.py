@@ -374,7 +374,7 @@ FLOAT32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
 def test_the_scale_found_on_the_host_is_the_scale_found_on_the_device(values):
     """Gradients stored alone on a CPU read their largest magnitude and find their scale on the
     host; the buckets and the accelerators compute both with tensor operations."""
-    from mixedopt._storage import (
+    from mixedopt._scales import (
         abs_max,
         abs_max_on_host,
         power_of_two_scale,
