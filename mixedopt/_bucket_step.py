@@ -26,9 +26,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._bucket_store import WholeBucket
 from ._default_step import upcast_stored
 from ._packing import Workspace, budget, dense
-from ._storage import GradientStorage, WholeBucket
+from ._storage import GradientStorage
 
 
 class BucketSteps:

@@ -32,13 +32,14 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from . import _packing
 from ._bucket_step import BucketSteps
+from ._bucket_store import WholeBucket
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
 from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
 from ._packing import Entry, Workspace, by_device, dense_order, flat_view
 from ._scales import abs_max
-from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage, WholeBucket
+from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 _LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))

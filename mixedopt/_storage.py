@@ -23,11 +23,8 @@ How it gets there (PyTorch >= 2.10)
       (``_take``) it hands autograd no gradient and sets ``p.grad`` itself. A bucket is stored
       when the next gradient would not fit (``capacity`` elements) and at the end of
       ``backward()``, from a callback queued on the autograd engine by the backward's first
-      gradient. Storing a bucket is a fixed number of operations, whatever the number of its
-      gradients (``_store_bucket``): copy them into a float32 staging buffer of rows, take the
-      largest magnitude of each, compute the scales, and write all of them in one
-      multiplication into one 16-bit buffer, of which each ``p.grad`` is a view with the
-      parameter's layout.
+      gradient, in a fixed number of operations, whatever the number of its gradients, into
+      one 16-bit buffer of which each ``p.grad`` is a view (``_bucket_store.py``).
     * A backward that raised leaves its bucket waiting, and its end stores nothing. ``step()``,
       ``true_grad()`` and the next backward store it: the next backward when it reaches one of
       its parameters or fills the bucket; until then, the gradients that backward brings wait
@@ -47,18 +44,16 @@ A gradient assigned by hand (``p.grad = g``) is taken as the true gradient (scal
 in place (``zero_grad(set_to_none=False)``, ``p.grad.mul_(...)``) keeps its scale. All of this is
 device work: no host synchronisation on CUDA.
 
-Transient memory of a backward: a bucket's gradients (at most ``capacity`` float32 elements,
-which autograd would have kept as ``.grad`` anyway), the staging buffer (``capacity`` float32
-elements, kept between backwards, zero outside what a bucket writes) and, while a bucket is
-stored, a float32 temporary of its size; a gradient stored on its own costs nothing beyond
-itself, or one float32 copy when it is added to an earlier one.
+Transient memory of a backward: what its buckets take (``_bucket_store.py``); a gradient stored
+on its own costs nothing beyond itself, or one float32 copy when it is added to an earlier one.
+
+By stage: this module keeps the slots of the parameters, their hooks and what arrives in them,
+and hands stored gradients to consumers; ``_bucket_store.py`` stores the buckets and finds them
+again for ``step()``; ``_scales.py`` holds the per-tensor scale arithmetic.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-import operator
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -69,13 +64,13 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _packing
+from ._bucket_store import BucketStores, _Bucket, _BucketPlan, _deferring_releases, _StoredBucket
 from ._distributed import ddp_managed, process_group_exists
 from ._packing import (
     ROW,
     IndexCache,
     LayoutCache,
     RowLayout,
-    ViewRuns,
     dense_order,
     dense_strides,
     flat_view,
@@ -92,43 +87,6 @@ Consumer = Callable[[list[Tensor]], None]
 # which stays in a core's cache between the multiplication and the rounding copy (measured on
 # a 4-layer 1024-wide MLP: backward 0.5-1.1 ms faster than with pieces of 1 Mi elements).
 SCRATCH_PIECE = 1 << 18
-
-# Attributes of slots, parameters and gradients, read in C by ``map`` over many of them (a
-# Python loop per parameter costs more than the reads themselves).
-_param_of_slot = operator.attrgetter("param")
-_grad_of_slot = operator.attrgetter("param.grad")
-_stats_of_slot = operator.attrgetter("stats")
-_ref_of_slot = operator.attrgetter("grad_ref")
-_grad_of = operator.attrgetter("grad")
-_is_sparse = operator.attrgetter("is_sparse")
-_stride_of = Tensor.stride  # the unbound method: half the time of methodcaller("stride")
-_call = weakref.ref.__call__
-
-
-def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``method`` as storage work: a ``release`` that comes in the middle of it waits.
-
-    Optimizers let go of their parameters from a finalizer, which runs whenever the garbage
-    collector does: inside a store, or inside the consumer a store calls (an update of
-    ``step_in_backward``, which may compile). Storing there would store again what is being
-    stored, or call that consumer from inside itself. The release runs when the outermost
-    such method returns.
-    """
-
-    @functools.wraps(method)
-    def working(self: GradientStorage, *args: Any, **kwargs: Any) -> Any:
-        self._working += 1
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._working -= 1
-            if not self._working and self._waiting_releases:
-                waiting, self._waiting_releases = self._waiting_releases, []
-                for holder in waiting:
-                    self.release(holder)
-
-    return working
-
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -210,104 +168,7 @@ class _Slot:
         self.pending = False
 
 
-class _Bucket:
-    """Gradients of one device waiting to be stored together, in arrival order.
-
-    A waiting gradient is in its ``p.grad``, float32 and true, as torch.optim would have it:
-    autograd put it there (the hook's common case) or the hook did (``_take``). ``previous``
-    keeps what ``p.grad`` held before, where it held something: they are added when stored.
-    """
-
-    __slots__ = ("device", "limits", "capacity", "small", "task", "slots", "previous", "elements")
-
-    def __init__(self, device: torch.device) -> None:
-        limits = self.limits = _packing.budget(device)
-        self.device = device
-        self.capacity = limits.capacity  # elements, in whole rows
-        self.small = limits.bucket_small  # the largest gradient that waits in a bucket
-        self.task: int | None = None  # the backward whose end stores this bucket
-        self.slots: list[_Slot] = []
-        self.previous: dict[int, Tensor] = {}  # position in ``slots`` -> earlier p.grad
-        self.elements = 0
-
-    def clear(self) -> None:
-        self.slots, self.previous, self.elements = [], {}, 0
-
-    def take_waiting(self) -> tuple[list[_Slot], list[Tensor], dict[int, Tensor]]:
-        """Empty the bucket: its slots, their gradients and what they are added to.
-
-        Leaves out a gradient gone from ``p.grad`` (``zero_grad()`` after a backward that
-        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it).
-        """
-        slots, previous = self.slots, self.previous
-        self.clear()
-        for slot in slots:
-            slot.pending = False
-        grads = list(map(_grad_of_slot, slots))
-        # The common case, all there and dense, is checked without a Python step per gradient.
-        if all(map(operator.is_not, grads, itertools.repeat(None))) and not any(
-            map(_is_sparse, grads)
-        ):
-            return slots, grads, previous
-        kept = [i for i, grad in enumerate(grads) if grad is not None and not grad.is_sparse]
-        return (
-            [slots[i] for i in kept],
-            [grads[i] for i in kept],
-            {n: previous[i] for n, i in enumerate(kept) if i in previous},
-        )
-
-
-class _BucketPlan:
-    """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
-
-    __slots__ = ("layout", "runs", "param_strides", "generation", "staging_views")
-
-    def __init__(self, layout: RowLayout, runs: ViewRuns, param_strides: list[Any]) -> None:
-        self.layout = layout
-        # The parameters' strides it was made for: new memory (``p.data = ...``) needs a new one.
-        self.param_strides = param_strides
-        self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
-        self.generation = -1  # of the staging buffer the views below are of
-        self.staging_views: list[Tensor] = []
-
-
-class _StoredBucket:
-    """A bucket backward stored: its stats table and 16-bit buffer (weakly held), and slots."""
-
-    __slots__ = ("stats", "stored", "plan", "slots", "version")
-
-    def __init__(self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]):
-        self.stats = weakref.ref(stats)
-        self.stored = weakref.ref(stored)
-        self.plan = plan
-        self.slots = slots  # in row order
-        self.version = stored._version  # of the buffer when written
-
-
-class WholeBucket:
-    """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
-
-    __slots__ = ("stats", "params", "indices", "groups", "stored", "layout", "runs", "states")
-
-    def __init__(
-        self,
-        stats: Tensor,
-        params: list[Tensor],
-        indices: list[int],
-        stored: Tensor,
-        plan: _BucketPlan,
-    ):
-        self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
-        self.params = params  # the parameter of each row, in row order
-        self.indices = indices  # the index of each one's group
-        self.groups = set(indices)
-        self.stored = stored  # the 16-bit buffer of rows, and its layout and views
-        self.layout: RowLayout = plan.layout
-        self.runs: ViewRuns = plan.runs
-        self.states: list[Any] = []  # the optimizer's state of each parameter (step())
-
-
-class GradientStorage:
+class GradientStorage(BucketStores):
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
 
     The gradient storage belongs to the parameters, not to an optimizer: one storage per
@@ -532,146 +393,6 @@ class GradientStorage:
 
     @_deferring_releases
     @torch.no_grad()
-    def _store_bucket(self, bucket: _Bucket) -> None:
-        """Store a bucket's gradients: a fixed number of operations for all of them."""
-        if not bucket.slots:
-            return
-        slots, grads, previous = bucket.take_waiting()
-        if not slots:
-            return
-        device = bucket.device
-        plan = self._plan(slots, device)
-        layout = plan.layout
-        staging, rows = self._staging_for(device, layout)
-        if plan.generation != self._staging_generation:
-            plan.staging_views = plan.runs.views(staging)
-            plan.generation = self._staging_generation
-        views = plan.staging_views
-        torch._foreach_copy_(views, grads)
-        del grads  # the float32 gradients go with their p.grad, below
-        if previous:
-            added = list(previous)
-            earlier = list(previous.values())
-            inverse = self._inverse_scales([slots[i] for i in added], earlier)
-            torch._foreach_addcmul_([views[i] for i in added], earlier, inverse)
-        # Largest magnitude per tensor (NaN and inf propagate), then the scales. Two reductions
-        # rather than abs(): no temporary of the bucket's size.
-        amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
-        scales = self._storage_scales(amax)
-        stored = torch.empty(layout.elements, dtype=self.grad_dtype, device=device)
-        # Scale in float32 in place (the staging rows are not needed after), then round to
-        # grad_dtype: two vectorised passes, faster than one multiplication into a 16-bit
-        # output, which computes into a float32 temporary and copies that.
-        rows.mul_(layout.per_row(scales))
-        stored.view(layout.rows, ROW).copy_(rows)
-        stats = torch.stack([scales, amax], dim=1)
-        self._remember(stats, stored, plan, slots)
-        version = stored._version
-        reference = weakref.ref
-        # One view of ``stored`` per parameter, in its layout (the loop runs per parameter: its
-        # body is kept to the bookkeeping).
-        for row, (slot, grad) in enumerate(zip(slots, plan.runs.views(stored), strict=True)):
-            slot.param.grad = grad
-            slot.grad_ref = reference(grad)
-            slot.grad_version, slot.stats, slot.row = version, stats, row
-        if self._consumed:
-            self._hand_over(slots)
-
-    def _remember(
-        self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]
-    ) -> None:
-        """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
-        found = self._stored
-        for key in [k for k, record in found.items() if record.stored() is None]:
-            del found[key]
-        found[id(stats)] = _StoredBucket(stats, stored, plan, slots)
-
-    def stored_bucket(self, stats: Tensor) -> tuple[Tensor, RowLayout, ViewRuns] | None:
-        """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
-
-        ``(buffer, layout, views)``: row ``i`` of ``stats`` is the ``i``-th view; ``None`` once
-        the gradients are gone.
-        """
-        record = self._stored.get(id(stats))
-        if record is None or record.stats() is not stats:
-            return None
-        stored = record.stored()
-        return None if stored is None else (stored, record.plan.layout, record.plan.runs)
-
-    def whole_buckets(self, groups: list[list[Tensor]]) -> tuple[list[WholeBucket], int]:
-        """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.
-
-        Only buckets whose gradients are all still the views this storage wrote, unchanged
-        since (the views share one version counter), qualify; each comes with its parameters
-        in row order and the index of their group. Also how many parameters of ``groups`` have
-        a gradient outside them. Each check is one pass in C over a bucket's slots (``map``
-        over attribute getters), not a Python step per parameter: ``step()`` takes the
-        buckets from here without looking each parameter up again.
-        """
-        with_grad = sum(
-            sum(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
-            for params in groups
-        )
-        if not with_grad or not self._stored:
-            return [], with_grad
-        group_of: dict[int, int] = {}
-        for index, params in enumerate(groups):
-            group_of.update(zip(map(id, params), itertools.repeat(index)))
-        whole = []
-        taken = 0
-        for record in list(self._stored.values()):
-            stats, stored, slots = record.stats(), record.stored(), record.slots
-            if stats is None or stored is None or stored._version != record.version:
-                continue
-            params = list(map(_param_of_slot, slots))
-            ids = list(map(id, params))
-            if not (
-                # every parameter is of ``groups``, last stored in this bucket, and its .grad
-                # is still the view written there
-                all(map(group_of.__contains__, ids))
-                and all(map(operator.is_, map(_stats_of_slot, slots), itertools.repeat(stats)))
-                and all(
-                    map(operator.is_, map(_grad_of, params), map(_call, map(_ref_of_slot, slots)))
-                )
-            ):
-                continue
-            indices = list(map(group_of.__getitem__, ids))
-            whole.append(WholeBucket(stats, params, indices, stored, record.plan))
-            taken += len(params)
-        return whole, with_grad - taken
-
-    def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
-        """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
-        key = (device, tuple(map(id, slots)))
-        plan = self._plans.get(key)
-        param_strides = list(map(_stride_of, map(_param_of_slot, slots)))
-        if plan is None or plan.param_strides != param_strides:
-            if len(self._plans) >= 16:
-                self._plans.clear()
-            strides = [slot.grad_strides() for slot in slots]
-            layout = self._layouts.get([slot.param.numel() for slot in slots], device)
-            runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
-            plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
-        return plan
-
-    def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:
-        """The staging buffer of ``device``, and its rows for ``layout``, zero where they pad.
-
-        A bucket writes its gradients where ``layout`` puts them and nothing else, so a bucket
-        of the layout the buffer last had finds its padding still zero; another one zeroes the
-        buffer first.
-        """
-        staging = self._staging_buffer(device, layout.elements)
-        last = self._staging_rows.get(device)
-        if last is None or last[0] is not layout:
-            rows = staging[: layout.elements].view(layout.rows, ROW)
-            if last is not None:
-                rows.zero_()
-            last = self._staging_rows[device] = (layout, rows)
-        return staging, last[1]
-
-    @_deferring_releases
-    @torch.no_grad()
     def _store_alone(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> None:
         """Store one gradient (added to ``previous``) with its own operations."""
         true = incoming.float()
@@ -720,24 +441,6 @@ class GradientStorage:
             part = scratch[: piece.numel()]
             torch.mul(piece, scale, out=part)
             flat_stored[start : start + size].copy_(part)
-
-    def _scratch(self, device: torch.device, elements: int) -> Tensor:
-        """The staging buffer of ``device``, at least ``elements`` long, as scratch space.
-
-        The next bucket stored finds it of no layout, and zeroes it first.
-        """
-        staging = self._staging_buffer(device, elements)
-        self._staging_rows[device] = (None, staging)  # no layout's: the next bucket zeroes it
-        return staging
-
-    def _staging_buffer(self, device: torch.device, elements: int) -> Tensor:
-        """The staging buffer of ``device``, replaced by zeros of ``elements`` if it is shorter."""
-        staging = self._staging.get(device)
-        if staging is None or staging.numel() < elements:
-            staging = self._staging[device] = torch.zeros(elements, device=device)
-            self._staging_generation += 1
-            self._staging_rows.pop(device, None)
-        return staging
 
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
         """Hand the gradients of ``params`` to ``consumer`` as soon as they are stored.

@@ -1,0 +1,355 @@
+"""Bucketing: the small gradients of a backward stored together, in a few operations.
+
+``BucketStores`` (mixed into ``_storage.GradientStorage``) is the storage's bucket stage. The
+storage's hook (``_storage.py``) has a gradient of up to ``_packing.budget(device).bucket_small``
+elements wait in its device's bucket (``_Bucket``), as DistributedDataParallel's reducer does,
+and has the bucket stored when the next gradient would not fit (``capacity`` elements) and at
+the end of ``backward()``.
+
+Storing a bucket is a fixed number of operations, whatever the number of its gradients
+(``_store_bucket``): copy them into a float32 staging buffer of rows, take the largest magnitude
+of each, compute the scales, and write all of them in one multiplication into one 16-bit buffer,
+of which each ``p.grad`` is a view with the parameter's layout. Where each gradient goes (its
+rows and views, ``_BucketPlan``) is kept, as a training loop fills the same buckets again.
+
+A stored bucket is remembered while its gradients live (``_StoredBucket``), for ``step()``: it
+updates the buckets whose gradients it takes whole (``whole_buckets``, ``_bucket_step.py``) and
+upcasts a bucket's rows at once (``stored_bucket``, ``_default_step.py``).
+
+Transient memory: a bucket's gradients (at most ``capacity`` float32 elements, which autograd
+would have kept as ``.grad`` anyway), the staging buffer (``capacity`` float32 elements, kept
+between backwards, zero outside what a bucket writes; a large gradient stored alone on a CPU
+uses it as scratch space, ``_scratch``) and, while a bucket is stored, a float32 temporary of
+its size.
+
+Storage work (storing a bucket or a gradient alone, ``flush``) is marked with
+``_deferring_releases``, defined here with the first of them: an optimizer's release that
+comes in its middle waits until it ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import operator
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from . import _packing
+from ._packing import ROW, LayoutCache, RowLayout, ViewRuns
+
+if TYPE_CHECKING:
+    from ._storage import GradientStorage, _Slot
+
+# Attributes of slots, parameters and gradients, read in C by ``map`` over many of them (a
+# Python loop per parameter costs more than the reads themselves).
+_param_of_slot = operator.attrgetter("param")
+_grad_of_slot = operator.attrgetter("param.grad")
+_stats_of_slot = operator.attrgetter("stats")
+_ref_of_slot = operator.attrgetter("grad_ref")
+_grad_of = operator.attrgetter("grad")
+_is_sparse = operator.attrgetter("is_sparse")
+_stride_of = Tensor.stride  # the unbound method: half the time of methodcaller("stride")
+_call = weakref.ref.__call__
+
+
+def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``method`` as storage work: a ``release`` that comes in the middle of it waits.
+
+    Optimizers let go of their parameters from a finalizer, which runs whenever the garbage
+    collector does: inside a store, or inside the consumer a store calls (an update of
+    ``step_in_backward``, which may compile). Storing there would store again what is being
+    stored, or call that consumer from inside itself. The release runs when the outermost
+    such method returns.
+    """
+
+    @functools.wraps(method)
+    def working(self: GradientStorage, *args: Any, **kwargs: Any) -> Any:
+        self._working += 1
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._working -= 1
+            if not self._working and self._waiting_releases:
+                waiting, self._waiting_releases = self._waiting_releases, []
+                for holder in waiting:
+                    self.release(holder)
+
+    return working
+
+
+class _Bucket:
+    """Gradients of one device waiting to be stored together, in arrival order.
+
+    A waiting gradient is in its ``p.grad``, float32 and true, as torch.optim would have it:
+    autograd put it there (the hook's common case) or the hook did (``_take``). ``previous``
+    keeps what ``p.grad`` held before, where it held something: they are added when stored.
+    """
+
+    __slots__ = ("device", "limits", "capacity", "small", "task", "slots", "previous", "elements")
+
+    def __init__(self, device: torch.device) -> None:
+        limits = self.limits = _packing.budget(device)
+        self.device = device
+        self.capacity = limits.capacity  # elements, in whole rows
+        self.small = limits.bucket_small  # the largest gradient that waits in a bucket
+        self.task: int | None = None  # the backward whose end stores this bucket
+        self.slots: list[_Slot] = []
+        self.previous: dict[int, Tensor] = {}  # position in ``slots`` -> earlier p.grad
+        self.elements = 0
+
+    def clear(self) -> None:
+        self.slots, self.previous, self.elements = [], {}, 0
+
+    def take_waiting(self) -> tuple[list[_Slot], list[Tensor], dict[int, Tensor]]:
+        """Empty the bucket: its slots, their gradients and what they are added to.
+
+        Leaves out a gradient gone from ``p.grad`` (``zero_grad()`` after a backward that
+        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it).
+        """
+        slots, previous = self.slots, self.previous
+        self.clear()
+        for slot in slots:
+            slot.pending = False
+        grads = list(map(_grad_of_slot, slots))
+        # The common case, all there and dense, is checked without a Python step per gradient.
+        if all(map(operator.is_not, grads, itertools.repeat(None))) and not any(
+            map(_is_sparse, grads)
+        ):
+            return slots, grads, previous
+        kept = [i for i, grad in enumerate(grads) if grad is not None and not grad.is_sparse]
+        return (
+            [slots[i] for i in kept],
+            [grads[i] for i in kept],
+            {n: previous[i] for n, i in enumerate(kept) if i in previous},
+        )
+
+
+class _BucketPlan:
+    """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
+
+    __slots__ = ("layout", "runs", "param_strides", "generation", "staging_views")
+
+    def __init__(self, layout: RowLayout, runs: ViewRuns, param_strides: list[Any]) -> None:
+        self.layout = layout
+        # The parameters' strides it was made for: new memory (``p.data = ...``) needs a new one.
+        self.param_strides = param_strides
+        self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
+        self.generation = -1  # of the staging buffer the views below are of
+        self.staging_views: list[Tensor] = []
+
+
+class _StoredBucket:
+    """A bucket backward stored: its stats table and 16-bit buffer (weakly held), and slots."""
+
+    __slots__ = ("stats", "stored", "plan", "slots", "version")
+
+    def __init__(self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]):
+        self.stats = weakref.ref(stats)
+        self.stored = weakref.ref(stored)
+        self.plan = plan
+        self.slots = slots  # in row order
+        self.version = stored._version  # of the buffer when written
+
+
+class WholeBucket:
+    """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
+
+    __slots__ = ("stats", "params", "indices", "groups", "stored", "layout", "runs", "states")
+
+    def __init__(
+        self,
+        stats: Tensor,
+        params: list[Tensor],
+        indices: list[int],
+        stored: Tensor,
+        plan: _BucketPlan,
+    ):
+        self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
+        self.params = params  # the parameter of each row, in row order
+        self.indices = indices  # the index of each one's group
+        self.groups = set(indices)
+        self.stored = stored  # the 16-bit buffer of rows, and its layout and views
+        self.layout: RowLayout = plan.layout
+        self.runs: ViewRuns = plan.runs
+        self.states: list[Any] = []  # the optimizer's state of each parameter (step())
+
+
+class BucketStores:
+    """Stores the buckets of a backward and finds them again for ``step()``; see the module."""
+
+    # What the storage it is mixed into provides (``_storage.GradientStorage``, whose
+    # ``__init__`` says what each attribute holds).
+    grad_dtype: torch.dtype
+    _staging: dict[torch.device, Tensor]
+    _staging_generation: int
+    _staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]]
+    _layouts: LayoutCache
+    _plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan]
+    _stored: dict[int, _StoredBucket]
+    _consumed: int
+    _hand_over: Callable[[list[_Slot]], None]
+    _inverse_scales: Callable[[list[_Slot], list[Tensor]], list[Tensor]]
+    _storage_scales: Callable[[Tensor], Tensor]
+
+    @_deferring_releases
+    @torch.no_grad()
+    def _store_bucket(self, bucket: _Bucket) -> None:
+        """Store a bucket's gradients: a fixed number of operations for all of them."""
+        if not bucket.slots:
+            return
+        slots, grads, previous = bucket.take_waiting()
+        if not slots:
+            return
+        device = bucket.device
+        plan = self._plan(slots, device)
+        layout = plan.layout
+        staging, rows = self._staging_for(device, layout)
+        if plan.generation != self._staging_generation:
+            plan.staging_views = plan.runs.views(staging)
+            plan.generation = self._staging_generation
+        views = plan.staging_views
+        torch._foreach_copy_(views, grads)
+        del grads  # the float32 gradients go with their p.grad, below
+        if previous:
+            added = list(previous)
+            earlier = list(previous.values())
+            inverse = self._inverse_scales([slots[i] for i in added], earlier)
+            torch._foreach_addcmul_([views[i] for i in added], earlier, inverse)
+        # Largest magnitude per tensor (NaN and inf propagate), then the scales. Two reductions
+        # rather than abs(): no temporary of the bucket's size.
+        amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
+        scales = self._storage_scales(amax)
+        stored = torch.empty(layout.elements, dtype=self.grad_dtype, device=device)
+        # Scale in float32 in place (the staging rows are not needed after), then round to
+        # grad_dtype: two vectorised passes, faster than one multiplication into a 16-bit
+        # output, which computes into a float32 temporary and copies that.
+        rows.mul_(layout.per_row(scales))
+        stored.view(layout.rows, ROW).copy_(rows)
+        stats = torch.stack([scales, amax], dim=1)
+        self._remember(stats, stored, plan, slots)
+        version = stored._version
+        reference = weakref.ref
+        # One view of ``stored`` per parameter, in its layout (the loop runs per parameter: its
+        # body is kept to the bookkeeping).
+        for row, (slot, grad) in enumerate(zip(slots, plan.runs.views(stored), strict=True)):
+            slot.param.grad = grad
+            slot.grad_ref = reference(grad)
+            slot.grad_version, slot.stats, slot.row = version, stats, row
+        if self._consumed:
+            self._hand_over(slots)
+
+    def _remember(
+        self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]
+    ) -> None:
+        """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
+        found = self._stored
+        for key in [k for k, record in found.items() if record.stored() is None]:
+            del found[key]
+        found[id(stats)] = _StoredBucket(stats, stored, plan, slots)
+
+    def stored_bucket(self, stats: Tensor) -> tuple[Tensor, RowLayout, ViewRuns] | None:
+        """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
+
+        ``(buffer, layout, views)``: row ``i`` of ``stats`` is the ``i``-th view; ``None`` once
+        the gradients are gone.
+        """
+        record = self._stored.get(id(stats))
+        if record is None or record.stats() is not stats:
+            return None
+        stored = record.stored()
+        return None if stored is None else (stored, record.plan.layout, record.plan.runs)
+
+    def whole_buckets(self, groups: list[list[Tensor]]) -> tuple[list[WholeBucket], int]:
+        """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.
+
+        Only buckets whose gradients are all still the views this storage wrote, unchanged
+        since (the views share one version counter), qualify; each comes with its parameters
+        in row order and the index of their group. Also how many parameters of ``groups`` have
+        a gradient outside them. Each check is one pass in C over a bucket's slots (``map``
+        over attribute getters), not a Python step per parameter: ``step()`` takes the
+        buckets from here without looking each parameter up again.
+        """
+        with_grad = sum(
+            sum(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
+            for params in groups
+        )
+        if not with_grad or not self._stored:
+            return [], with_grad
+        group_of: dict[int, int] = {}
+        for index, params in enumerate(groups):
+            group_of.update(zip(map(id, params), itertools.repeat(index)))
+        whole = []
+        taken = 0
+        for record in list(self._stored.values()):
+            stats, stored, slots = record.stats(), record.stored(), record.slots
+            if stats is None or stored is None or stored._version != record.version:
+                continue
+            params = list(map(_param_of_slot, slots))
+            ids = list(map(id, params))
+            if not (
+                # every parameter is of ``groups``, last stored in this bucket, and its .grad
+                # is still the view written there
+                all(map(group_of.__contains__, ids))
+                and all(map(operator.is_, map(_stats_of_slot, slots), itertools.repeat(stats)))
+                and all(
+                    map(operator.is_, map(_grad_of, params), map(_call, map(_ref_of_slot, slots)))
+                )
+            ):
+                continue
+            indices = list(map(group_of.__getitem__, ids))
+            whole.append(WholeBucket(stats, params, indices, stored, record.plan))
+            taken += len(params)
+        return whole, with_grad - taken
+
+    def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
+        """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
+        key = (device, tuple(map(id, slots)))
+        plan = self._plans.get(key)
+        param_strides = list(map(_stride_of, map(_param_of_slot, slots)))
+        if plan is None or plan.param_strides != param_strides:
+            if len(self._plans) >= 16:
+                self._plans.clear()
+            strides = [slot.grad_strides() for slot in slots]
+            layout = self._layouts.get([slot.param.numel() for slot in slots], device)
+            runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
+            plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
+        return plan
+
+    def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:
+        """The staging buffer of ``device``, and its rows for ``layout``, zero where they pad.
+
+        A bucket writes its gradients where ``layout`` puts them and nothing else, so a bucket
+        of the layout the buffer last had finds its padding still zero; another one zeroes the
+        buffer first.
+        """
+        staging = self._staging_buffer(device, layout.elements)
+        last = self._staging_rows.get(device)
+        if last is None or last[0] is not layout:
+            rows = staging[: layout.elements].view(layout.rows, ROW)
+            if last is not None:
+                rows.zero_()
+            last = self._staging_rows[device] = (layout, rows)
+        return staging, last[1]
+
+    def _scratch(self, device: torch.device, elements: int) -> Tensor:
+        """The staging buffer of ``device``, at least ``elements`` long, as scratch space.
+
+        The next bucket stored finds it of no layout, and zeroes it first.
+        """
+        staging = self._staging_buffer(device, elements)
+        self._staging_rows[device] = (None, staging)  # no layout's: the next bucket zeroes it
+        return staging
+
+    def _staging_buffer(self, device: torch.device, elements: int) -> Tensor:
+        """The staging buffer of ``device``, replaced by zeros of ``elements`` if it is shorter."""
+        staging = self._staging.get(device)
+        if staging is None or staging.numel() < elements:
+            staging = self._staging[device] = torch.zeros(elements, device=device)
+            self._staging_generation += 1
+            self._staging_rows.pop(device, None)
+        return staging
