@@ -183,7 +183,7 @@ class BucketStores:
     """Stores the buckets of a backward and finds them again for ``step()``; see the module."""
 
     # What the storage it is mixed into provides (``_storage.GradientStorage``, whose
-    # ``__init__`` says what each attribute holds).
+    # ``__init__`` says what each attribute holds, and ``_scales.StorageScales``).
     grad_dtype: torch.dtype
     _staging: dict[torch.device, Tensor]
     _staging_generation: int

@@ -47,9 +47,10 @@ device work: no host synchronisation on CUDA.
 Transient memory of a backward: what its buckets take (``_bucket_store.py``); a gradient stored
 on its own costs nothing beyond itself, or one float32 copy when it is added to an earlier one.
 
-By stage: this module keeps the slots of the parameters, their hooks and what arrives in them,
-and hands stored gradients to consumers; ``_bucket_store.py`` stores the buckets and finds them
-again for ``step()``; ``_scales.py`` holds the per-tensor scale arithmetic.
+By stage: this module keeps a slot per parameter, installs its hook, takes what arrives there
+(``_take``) and hands stored gradients to their consumers; ``_bucket_store.py`` stores the
+buckets and finds them again for ``step()``; ``_scales.py`` holds the scale arithmetic, stores
+a gradient on its own and reads the scales back (``stats_of``, ``stats_table``, ``true_grad``).
 """
 
 from __future__ import annotations
@@ -66,27 +67,13 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _packing
 from ._bucket_store import BucketStores, _Bucket, _BucketPlan, _deferring_releases, _StoredBucket
 from ._distributed import ddp_managed, process_group_exists
-from ._packing import (
-    ROW,
-    IndexCache,
-    LayoutCache,
-    RowLayout,
-    dense_order,
-    dense_strides,
-    flat_view,
-    rows_for,
-)
-from ._scales import abs_max, abs_max_on_host, power_of_two_scale, power_of_two_scale_on_host
+from ._packing import ROW, IndexCache, LayoutCache, RowLayout, dense_strides, rows_for
+from ._scales import StorageScales
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
 # Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
 Consumer = Callable[[list[Tensor]], None]
-
-# Elements of one piece of a large gradient scaled on a CPU (``_scale_into``): 1 MiB of float32,
-# which stays in a core's cache between the multiplication and the rounding copy (measured on
-# a 4-layer 1024-wide MLP: backward 0.5-1.1 ms faster than with pieces of 1 Mi elements).
-SCRATCH_PIECE = 1 << 18
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -168,7 +155,7 @@ class _Slot:
         self.pending = False
 
 
-class GradientStorage(BucketStores):
+class GradientStorage(BucketStores, StorageScales):
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
 
     The gradient storage belongs to the parameters, not to an optimizer: one storage per
@@ -365,83 +352,6 @@ class GradientStorage(BucketStores):
             bucket.task = None
             self._store_bucket(bucket)
 
-    def _inverse_scales(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
-        """1 / storage scale of each gradient (1 where it holds true values), 0-dim each."""
-        device = grads[0].device
-        stats, rows = self.stats_table(
-            [
-                (slot.stats, slot.row) if slot.owns(g) else (None, 0)
-                for slot, g in zip(slots, grads, strict=True)
-            ],
-            device,
-        )
-        return list(stats[:, 0].reciprocal().unbind())
-
-    def _storage_scales(self, amax: Tensor) -> Tensor:
-        """The storage scale of each gradient of largest magnitude ``amax``.
-
-        float16 needs one (its range is narrow); bfloat16 has float32's range, so it stores true
-        values (scale 1) and code that reads ``p.grad`` sees the gradient itself.
-        """
-        if self.grad_dtype == torch.float16:
-            return power_of_two_scale(amax)
-        return torch.ones_like(amax)
-
-    def _storage_scale_on_host(self, amax: float) -> float:
-        """``_storage_scales`` of one largest magnitude read on the host."""
-        return power_of_two_scale_on_host(amax) if self.grad_dtype == torch.float16 else 1.0
-
-    @_deferring_releases
-    @torch.no_grad()
-    def _store_alone(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> None:
-        """Store one gradient (added to ``previous``) with its own operations."""
-        true = incoming.float()
-        if previous is not None:
-            (inverse,) = self._inverse_scales([slot], [previous])
-            true = torch.addcmul(true, previous, inverse)
-        param = slot.param
-        stored = torch.empty_strided(
-            param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
-        )
-        scale: Tensor | float
-        if true.device.type == "cpu":
-            # Reading a value costs nothing on a CPU: the scale is found on the host, nine
-            # operations fewer than on the device (inside backward each costs tens of us).
-            amax = abs_max_on_host(true)
-            scale = self._storage_scale_on_host(amax)
-            stats = torch.tensor([[scale, amax]], dtype=torch.float32)
-        else:
-            device_amax = abs_max(true)
-            scale = self._storage_scales(device_amax)
-            stats = torch.stack([scale, device_amax]).unsqueeze(0)
-        self._scale_into(stored, true, scale)
-        slot.record(stored, stats, 0, stored._version)
-        if slot.consumer is not None:
-            slot.consumer([param])
-
-    def _scale_into(self, stored: Tensor, true: Tensor, scale: Tensor | float) -> None:
-        """``stored = true * scale``, computed in float32 and rounded to ``stored``'s dtype.
-
-        On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
-        whole gradient first: fresh memory, whose pages the system maps at the first write.
-        There a dense gradient is scaled in pieces through the staging buffer instead (which
-        the next bucket zeroes again), each piece a vectorised multiplication and a rounding
-        copy, small enough (``SCRATCH_PIECE``) to stay in a core's cache between the two.
-        """
-        order = dense_order(stored) if true.device.type == "cpu" and true.numel() else None
-        flat_stored = None if order is None else flat_view(stored, order)
-        flat_true = None if order is None else flat_view(true, order)
-        if flat_stored is None or flat_true is None:
-            torch.mul(true, scale, out=stored)  # one pass
-            return
-        size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
-        scratch = self._scratch(true.device, min(size, flat_true.numel()))
-        for start in range(0, flat_true.numel(), size):
-            piece = flat_true[start : start + size]
-            part = scratch[: piece.numel()]
-            torch.mul(piece, scale, out=part)
-            flat_stored[start : start + size].copy_(part)
-
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
         """Hand the gradients of ``params`` to ``consumer`` as soon as they are stored.
 
@@ -466,65 +376,7 @@ class GradientStorage(BucketStores):
         for consumer, params in taken.items():
             consumer(params)
 
-    def stats_table(
-        self, found: list[tuple[Tensor | None, int]], device: torch.device
-    ) -> tuple[Tensor, list[int]]:
-        """Rows ``[storage scale, |true gradient| bound]``, one per ``(stats, row)`` in ``found``.
-
-        ``(None, _)`` gives ``[1, 0]``: a gradient holding true values. A fixed number of
-        operations, whatever the number of rows: the tables are joined and indexed once.
-        """
-        tables: dict[int, tuple[int, Tensor]] = {}  # id -> (first row in the join, table)
-        unit = self._unit_stats.get(device)
-        if unit is None:
-            unit = self._unit_stats[device] = torch.tensor([[1.0, 0.0]], device=device)
-        joined = 1  # the unit row comes first
-        index = []
-        for stats, row in found:
-            if stats is None:
-                index.append(0)
-                continue
-            first = tables.get(id(stats))
-            if first is None:
-                first = tables[id(stats)] = (joined, stats)
-                joined += stats.shape[0]
-            index.append(first[0] + row)
-        parts = [unit, *(t.to(device) for _, t in tables.values())]
-        positions = self._indices.get(index, device)
-        return torch.cat(parts).index_select(0, positions), index
-
-    # ------------------------------------------------------------------ for step()
-
-    def stats_of(self, param: Tensor) -> tuple[Tensor | None, int, bool]:
-        """Where ``param.grad``'s storage scale and bound are, and whether the bound holds.
-
-        ``(stats, row, current)``: row ``row`` of ``stats`` is ``[storage scale, bound on |true
-        gradient|]`` (``stats_table`` gathers such rows). ``stats`` is ``None`` where
-        ``param.grad`` holds true values (assigned by hand, or not stored by this storage). The
-        bound was measured when the gradient was stored (inf or NaN there makes it inf or NaN);
-        it no longer holds once ``p.grad`` was changed in place.
-        """
-        slot = self._slots.get(id(param))
-        grad = param.grad
-        if slot is None or not slot.owns(grad):
-            return None, 0, False
-        assert grad is not None
-        return slot.stats, slot.row, grad._version == slot.grad_version
-
-    def scale_of(self, param: Tensor) -> Tensor | None:
-        """The storage scale of ``param.grad`` (``None`` where it holds true values)."""
-        stats, row, _ = self.stats_of(param)
-        return None if stats is None else stats[row, 0]
-
-    def true_grad(self, param: Tensor) -> Tensor | None:
-        """The true gradient of ``param`` as a new float32 tensor (``None`` where it has none)."""
-        self.flush()
-        grad = param.grad
-        if grad is None:
-            return None
-        scale = self.scale_of(param)
-        true = grad.to(torch.float32, copy=True)
-        return true if scale is None else true.div_(scale)
+    # ------------------------------------------------------------------ letting go
 
     def release(self, holder: set[int]) -> None:
         """Let go of the parameters ``holder`` holds.
