@@ -1,7 +1,7 @@
 """The step of whole buckets: a training loop's small gradients taken as backward stored them.
 
 After a plain ``backward()`` the gradients of small parameters are views of the 16-bit buckets
-the storage wrote (``_storage.py``), each bucket with its stats table (a storage scale and a
+the storage wrote (``_bucket_store.py``), each bucket with its stats table (a storage scale and a
 bound on the true gradient per row). When every gradient of a bucket belongs to this
 optimizer, is still that view, unchanged, and its parameter has its state, ``step()`` needs
 nothing per parameter but its state: the bucket's factors are a column of its stats table,

@@ -9,7 +9,7 @@ dense in one layout. A batch's gradients are upcast into a float32 buffer with o
 buffer), and the batch goes to torch's ``rmsprop()``, ``adam()`` or ``sgd()`` as lists, whole
 parameters as they are.
 
-A bucket that backward stored (``_storage.py``), whose gradients all belong to this step's
+A bucket that backward stored (``_bucket_store.py``), whose gradients all belong to this step's
 entries untouched, is a batch of its own taken faster: its 16-bit buffer of rows is upcast and
 unscaled with one multiplication into a float32 buffer of the same layout, without finding each
 gradient; ``batches`` is the reference it is tested against.
