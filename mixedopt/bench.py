@@ -557,9 +557,9 @@ def iteration_benchmark(
     times: dict[str, list[float]] = {name: [] for name in iterations}
     faults: dict[str, list[int]] = {name: [] for name in iterations}
     for round_index in range(repeat):
-        for name, iteration in bench_small.in_turn(list(iterations.items()), round_index):
+        for name, timed in bench_small.in_turn(list(iterations.items()), round_index):
             before = _page_faults()
-            times[name].append(1e3 * _timed(iteration, device))
+            times[name].append(1e3 * _timed(timed, device))
             after = _page_faults()
             if before is not None and after is not None:
                 faults[name].append(after - before)

@@ -211,8 +211,8 @@ def iteration_times(
             run()
         runs[name] = (run, opt, [])
     for round_index in range(repeat):
-        for run, _, times in bench_small.in_turn(list(runs.values()), round_index):
-            times.append(1e3 * bench._timed(run, x.device))
+        for timed, _, times in bench_small.in_turn(list(runs.values()), round_index):
+            times.append(1e3 * bench._timed(timed, x.device))
     for _, opt, _ in runs.values():
         opt.remove_grad_storage()
     return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
