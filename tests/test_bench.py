@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from mixedopt import bench, bench_small
+from mixedopt import _bench_setup, bench, bench_small
 
 NUMEL = 1 << 16
 PARAMS = 3
@@ -51,7 +51,7 @@ def test_every_row_with_times_and_persistent_bytes(tmp_path, capsys):
     document = _run(tmp_path, "--no-memory", "--variants", ",".join(VARIANTS))
     rows = document["rows"]
     pairs = [(row["optimizer"], row["variant"]) for row in rows]
-    assert pairs == [(o, v) for o in bench.OPTIMIZERS for v in VARIANTS]
+    assert pairs == [(o, v) for o in _bench_setup.OPTIMIZERS for v in VARIANTS]
 
     for row in rows:
         if not row["available"]:
