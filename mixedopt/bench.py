@@ -31,7 +31,8 @@ Columns
       the ratio to the ``torch-foreach`` row of the same optimizer;
     * persistent bytes per parameter: the ``nbytes`` of the weights, the gradients and every
       tensor in the optimizer state (0-dim step counters included), over the number of elements;
-    * peak extra memory of one step once the state exists (see below);
+    * peak extra memory of one step once the state exists (``mixedopt._bench_memory`` says
+      how it is measured);
     * achieved GB/s: the bytes a step has to move at the very least (per element: read the
       gradient, 2 B in float16 or 4 B in float32; read and write the weight, 8 B; read and write
       each state tensor, 8 B each) over the median time, and that as a fraction of the stream
@@ -44,43 +45,16 @@ Columns
 
 On a CPU shared with other busy processes, torch's worker threads wait on one another at
 every operation and step times can grow tenfold; ``--threads 1`` gives steadier numbers there.
-
-Peak memory on CPU
-    Each variant is set up again in a fresh child process (this module run with a hidden flag),
-    so that nothing another variant allocated is mixed into its numbers. The child builds the
-    parameters, gradients and optimizer, runs the first step and the warm-up steps, then writes
-    ``5`` to ``/proc/self/clear_refs``, which resets the kernel's resident-set high-water mark
-    (VmHWM) to the current resident size (Linux 4.0 and later). It reads VmRSS (the baseline),
-    runs one step and reads VmHWM: peak extra = VmHWM - baseline, every page the step touched
-    beyond what was already resident, however briefly. The child checks that the reset took
-    (VmHWM no longer above VmRSS). Where it did not, the result is still exact when the step set
-    a new high (VmHWM rose during the step: the peak was reached in the step), and otherwise only
-    an upper bound is known, ``VmHWM - baseline``, which the table prints as ``<= x``.
-
-    The child runs with glibc's malloc told to hand every block of 128 KiB or more straight to
-    ``mmap`` and back to the kernel on ``free`` (``MALLOC_MMAP_THRESHOLD_`` fixed, which also stops
-    glibc from raising that threshold after the first large ``free``, and
-    ``MALLOC_TRIM_THRESHOLD_``). Without this, memory freed by the warm-up steps can stay
-    resident in the heap: the measured step would reuse it without raising the high-water mark,
-    and its temporaries would go unseen. With it, resident memory follows the tensors alive at
-    each moment. The timing runs in the parent process, with the default allocator settings.
-
-Peak memory on CUDA
-    ``torch.cuda.reset_peak_memory_stats()`` before the step, then
-    ``max_memory_allocated() - memory_allocated()`` (the value before the step): the allocator's
-    own count of live bytes, exact and per process, so it is measured in the parent.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
 import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 import warnings
@@ -95,6 +69,13 @@ from torch import nn
 import mixedopt
 from mixedopt import bench_small
 
+from ._bench_memory import (
+    _CHILD_FLAG,
+    child_memory,
+    cuda_peak,
+    measure_memory_in_child,
+    persistent_bytes,
+)
 from ._bench_setup import (
     BASELINE,
     OPTIMIZERS,
@@ -106,25 +87,7 @@ from ._bench_setup import (
     teardown,
 )
 
-# Child memory runs: blocks from this size on go to mmap and back to the kernel when freed.
-_MMAP_THRESHOLD = 128 * 1024
-# Slack when checking that VmHWM was reset to VmRSS: reading /proc itself may touch a page or two.
-_RESET_SLACK = 256 * 1024
-_CHILD_FLAG = "--_memory-child"
 _QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning)
-
-
-def persistent_bytes(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> int:
-    """Bytes held by the weights, their gradients and every tensor of the optimizer state."""
-    total = 0
-    for p in params:
-        total += p.nbytes
-        if p.grad is not None:
-            total += p.grad.nbytes
-        for value in opt.state.get(p, {}).values():
-            if torch.is_tensor(value):
-                total += value.nbytes
-    return total
 
 
 def full_state_tensors(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> int:
@@ -186,105 +149,6 @@ def stream_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> dict[s
         seconds = statistics.median(_timed(kernel, device) for _ in range(repeat))
         found[name] = 2 * x.nbytes / seconds
     return found
-
-
-# ---------------------------------------------------------------------------- memory
-
-
-def _proc_status() -> dict[str, int]:
-    """VmRSS and VmHWM of this process, in bytes."""
-    found = {}
-    with open("/proc/self/status") as status:
-        for line in status:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                found[key] = int(value.split()[0]) * 1024
-    return found
-
-
-def _reset_hwm() -> None:
-    try:
-        with open("/proc/self/clear_refs", "w") as clear_refs:
-            clear_refs.write("5")
-    except OSError:
-        pass  # the caller sees that VmHWM stayed above VmRSS
-
-
-def _malloc_trim() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass  # not glibc
-
-
-def child_memory(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: the peak extra resident memory of one step (see the module doc)."""
-    device = torch.device("cpu")
-    params, opt = build(spec["optimizer"], spec["variant"], spec["numel"], spec["params"], device)
-    for _ in range(1 + max(1, spec["warmup"])):
-        opt.step()
-    gc.collect()
-    _malloc_trim()
-    _reset_hwm()
-    before = _proc_status()
-    opt.step()
-    after = _proc_status()
-    baseline = before["VmRSS"]
-    reset = before["VmHWM"] <= baseline + _RESET_SLACK
-    rose = after["VmHWM"] > before["VmHWM"]
-    result: dict[str, Any] = {
-        "baseline_rss": baseline,
-        "hwm_before": before["VmHWM"],
-        "hwm_after": after["VmHWM"],
-        "reset": reset,
-        "live_bytes": persistent_bytes(params, opt),
-    }
-    if reset or rose:
-        result["peak_extra_bytes"] = max(0, after["VmHWM"] - baseline)
-        result["method"] = "VmHWM after clear_refs reset" if reset else "VmHWM rose during step"
-    else:
-        result["peak_extra_upper_bound"] = after["VmHWM"] - baseline
-        result["method"] = "VmHWM not resettable: upper bound"
-    teardown(params, opt)
-    return result
-
-
-def run_memory_child(module: str, arguments: Sequence[str]) -> dict[str, Any]:
-    """``python -m module *arguments`` in a new interpreter, with malloc set up as above.
-
-    The JSON object the child prints last, or ``{"error": ...}``.
-    """
-    env = dict(os.environ)
-    env["MALLOC_MMAP_THRESHOLD_"] = str(_MMAP_THRESHOLD)
-    env["MALLOC_TRIM_THRESHOLD_"] = str(_MMAP_THRESHOLD)
-    package_root = str(Path(mixedopt.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    command = [sys.executable, "-m", module, *arguments]
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
-    except subprocess.TimeoutExpired:
-        return {"error": "the memory child timed out"}
-    lines = done.stdout.strip().splitlines()
-    if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
-        return {"error": f"the memory child failed: {tail}"}
-    return json.loads(lines[-1])
-
-
-def measure_memory_in_child(spec: dict[str, Any], threads: int) -> dict[str, Any]:
-    """Run :func:`child_memory` in a new interpreter; its result, or ``{"error": ...}``."""
-    arguments = ["--threads", str(threads), "--device", "cpu", _CHILD_FLAG, json.dumps(spec)]
-    return run_memory_child("mixedopt.bench", arguments)
-
-
-def cuda_peak(opt: torch.optim.Optimizer, device: torch.device) -> int:
-    """Peak extra bytes the CUDA caching allocator handed out during one step."""
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    before = torch.cuda.memory_allocated(device)
-    opt.step()
-    torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
 
 
 # ---------------------------------------------------------------------------- one optimizer
