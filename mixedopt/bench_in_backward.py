@@ -44,7 +44,7 @@ from torch import nn
 
 import mixedopt
 
-from . import _bench_memory, bench, bench_small
+from . import _bench_memory, _bench_timing, bench, bench_small
 
 STEPPED = "backward(); step()"
 IN_BACKWARD = "step_in_backward()"
@@ -212,7 +212,7 @@ def iteration_times(
         runs[name] = (run, opt, [])
     for round_index in range(repeat):
         for timed, _, times in bench_small.in_turn(list(runs.values()), round_index):
-            times.append(1e3 * bench._timed(timed, x.device))
+            times.append(1e3 * _bench_timing._timed(timed, x.device))
     for _, opt, _ in runs.values():
         opt.remove_grad_storage()
     return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
