@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixedopt import _bench_setup, _bench_timing, bench, bench_small
+from mixedopt import _bench_format, _bench_setup, _bench_timing, bench, bench_small
 
 NUMEL = 1 << 16
 PARAMS = 3
@@ -156,7 +156,7 @@ def test_training_iteration_benchmark_compares_three_optimizers():
     assert results[0]["ratio"] == pytest.approx(1.0)
     assert all(r["median_ms"] > 0 and len(r["ms"]) == 2 for r in results)
     assert all(r["page_faults"] >= 0 for r in results)  # Linux counts them
-    table = bench.format_iteration(results)
+    table = _bench_format.format_iteration(results)
     assert table.count("\n") == 1 + len(results)
 
 
