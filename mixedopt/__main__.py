@@ -14,7 +14,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from torch import nn
@@ -35,16 +35,29 @@ def build_model(channels: int, classes: int) -> nn.Module:
     )
 
 
+class TrainResult(TypedDict):
+    """What :func:`train` found: one column of the demo's table."""
+
+    losses: list[float]  # per step
+    step_ms: float  # median, the first step left out where there are more
+    grad_dtype: torch.dtype | None  # of the last step's gradients
+    grad_bytes: int  # held by the last step's gradients
+    state_dtype: str  # of the optimizer state's tensors, "step" left out
+    weight_dtype: torch.dtype
+
+
 def train(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     batches: list[tuple[torch.Tensor, torch.Tensor]],
     device: torch.device,
-) -> dict[str, object]:
+) -> TrainResult:
     """Run one step per batch; return losses, step times and what the gradients held."""
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=len(batches))
-    losses, step_times = [], []
-    grad_bytes, grad_dtype = 0, None
+    losses: list[float] = []
+    step_times: list[float] = []
+    grad_bytes: int = 0
+    grad_dtype: torch.dtype | None = None
     for images, labels in batches:
         optimizer.zero_grad()
         with torch.autocast(device.type, dtype=torch.float16):

@@ -18,7 +18,7 @@ gradient; ``batches`` is the reference it is tested against.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -94,11 +94,13 @@ def _pieces(
     state are dense in one layout (its pieces are then views: nothing is copied).
     """
     param, grad = local(entry.param), local(entry.grad)
-    states = [local(entry.state.get(key)) for key in keys]
+    states: list[Tensor | None] = [local(entry.state.get(key)) for key in keys]
     created = {j: local(entry.created[key]) for j, key in enumerate(keys) if key in entry.created}
     step = entry.state.get("step")
     order = dense_order(param) if param.numel() > capacity else None
-    targets = [created.get(j, s) for j, s in enumerate(states)]
+    # A state that does not exist yet has its destination in ``created`` (``_core`` makes one for
+    # each): no target is None.
+    targets = cast("list[Tensor]", [created.get(j, s) for j, s in enumerate(states)])
     flats = [] if order is None else [flat_view(t, order) for t in (param, *targets, grad)]
     if order is None or any(f is None for f in flats):
         yield param, grad, states, created, step

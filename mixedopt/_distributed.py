@@ -20,12 +20,16 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, TypeGuard, cast, overload
 
 import torch
 from torch import Tensor
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
-def is_dtensor(t: Tensor) -> bool:
+
+def is_dtensor(t: Tensor | None) -> TypeGuard[DTensor]:
     """Whether ``t`` is a DTensor (an FSDP2 sharded parameter, for one)."""
     if type(t) in _PLAIN:  # the common case, decided without a lookup
         return False
@@ -37,10 +41,15 @@ def is_dtensor(t: Tensor) -> bool:
 _PLAIN = (Tensor, torch.nn.Parameter)
 
 
-def local(t: Tensor) -> Tensor:
+@overload
+def local(t: Tensor) -> Tensor: ...
+@overload
+def local(t: None) -> None: ...
+def local(t: Tensor | None) -> Tensor | None:
     """The rank's own part of ``t``: the local shard of a DTensor, sharing its storage.
 
-    Called under ``torch.no_grad()`` (by ``step()``), where it is the shard itself.
+    Called under ``torch.no_grad()`` (by ``step()``), where it is the shard itself. ``None`` (a
+    state the optimizer has not created yet) stays ``None``.
     """
     return t.to_local() if is_dtensor(t) else t
 
@@ -57,7 +66,8 @@ def full_values(values: Iterable[Tensor]) -> list[Tensor]:
         if is_dtensor(value):
             groups.setdefault((value.device_mesh, tuple(value.placements)), []).append(i)
     for indices in groups.values():
-        full = torch.stack([result[i] for i in indices]).full_tensor()
+        # The values of a group are DTensors: so is their stack.
+        full = cast("DTensor", torch.stack([result[i] for i in indices])).full_tensor()
         for position, i in enumerate(indices):
             result[i] = full[position]
     return result

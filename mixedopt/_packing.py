@@ -180,7 +180,8 @@ def dense_order(t: Tensor) -> tuple[int, ...] | None:
     """Dimension order (outermost first) in which ``t`` is contiguous; None if not dense."""
     if t.is_contiguous():  # the common case, without a permuted view
         return tuple(range(t.dim()))
-    order = tuple(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    strides = t.stride()
+    order = tuple(sorted(range(t.dim()), key=lambda d: -strides[d]))
     return order if t.permute(order).is_contiguous() else None
 
 

@@ -17,7 +17,7 @@ Memory
     parameter at the start of backward, whatever the optimizer); and under
     ``mixedopt.autocast(float16)``, which saves none and casts the weights again in backward.
 
-    On a CPU each figure comes from a fresh interpreter (``bench.run_memory_child``): two
+    On a CPU each figure comes from a fresh interpreter (``_bench_memory.run_memory_child``): two
     iterations (the state exists), a reset of the resident-set high-water mark, one iteration,
     then VmHWM; on CUDA from the allocator's peak.
 
@@ -44,7 +44,7 @@ from torch import nn
 
 import mixedopt
 
-from . import bench, bench_small
+from . import _bench_memory, _bench_timing, bench, bench_small
 
 STEPPED = "backward(); step()"
 IN_BACKWARD = "step_in_backward()"
@@ -104,7 +104,7 @@ def iteration(
 def _allocated(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return bench._proc_status()["VmRSS"]
+    return _bench_memory._proc_status()["VmRSS"]
 
 
 def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
@@ -126,7 +126,7 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
         tiny_opt.remove_grad_storage()
     del tiny, tiny_opt
     gc.collect()
-    bench._malloc_trim()
+    _bench_memory._malloc_trim()
     before = _allocated(device)
     model, opt = run(spec["layers"], spec["width"], 2)  # the state exists
     x = torch.randn(1, spec["width"], device=device)
@@ -135,14 +135,14 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        bench._malloc_trim()
-        bench._reset_hwm()
+        _bench_memory._malloc_trim()
+        _bench_memory._reset_hwm()
     iteration(model, opt, x, in_backward, spec["forward"])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = bench._proc_status()["VmHWM"]
+        peak = _bench_memory._proc_status()["VmHWM"]
     params = sum(p.numel() for p in model.parameters())
     if hasattr(opt, "remove_grad_storage"):
         opt.remove_grad_storage()
@@ -172,7 +172,7 @@ def memory_table(
                 "forward": forward,
             }
             if torch.device(device).type == "cpu":
-                result = bench.run_memory_child(
+                result = _bench_memory.run_memory_child(
                     "mixedopt.bench_in_backward", ["--child", json.dumps(spec)]
                 )
             else:
@@ -211,8 +211,8 @@ def iteration_times(
             run()
         runs[name] = (run, opt, [])
     for round_index in range(repeat):
-        for run, _, times in bench_small.in_turn(list(runs.values()), round_index):
-            times.append(1e3 * bench._timed(run, x.device))
+        for timed, _, times in bench_small.in_turn(list(runs.values()), round_index):
+            times.append(1e3 * _bench_timing._timed(timed, x.device))
     for _, opt, _ in runs.values():
         opt.remove_grad_storage()
     return {name: statistics.median(times) for name, (_, _, times) in runs.items()}

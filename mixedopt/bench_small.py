@@ -24,7 +24,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypedDict, TypeVar
 
 import torch
 from torch import nn
@@ -53,6 +53,18 @@ PAIRS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], Callable[[Any], A
         lambda p: mixedopt.RMSprop(p, lr=1e-3),
     ),
 }
+
+
+# One library's operation counts in ``report``: ``op_counts`` of the two model sizes, and the
+# operations per parameter the larger one adds.
+LibraryCounts = TypedDict(
+    "LibraryCounts",
+    {
+        "16 params": dict[str, int],
+        "128 params": dict[str, int],
+        "per extra param": dict[str, float],
+    },
+)
 
 
 class _Counter(TorchDispatchMode):
@@ -108,7 +120,9 @@ def op_counts(
     return {"backward": count_ops(loss.backward), "step": count_ops(opt.step)}
 
 
-def per_parameter(counts_small: dict[str, int], counts_large: dict[str, int], extra: int) -> Any:
+def per_parameter(
+    counts_small: dict[str, int], counts_large: dict[str, int], extra: int
+) -> dict[str, float]:
     """Operations per parameter added between two model sizes (``extra`` more parameters)."""
     return {key: (counts_large[key] - counts_small[key]) / extra for key in counts_small}
 
@@ -167,7 +181,7 @@ def iteration_times(
 
 def report(repeat: int = 50, device: str = "cpu") -> tuple[str, dict[str, Any]]:
     """The regime's tables as text, and their figures."""
-    counts = {}
+    counts: dict[str, dict[str, LibraryCounts]] = {}
     for pair, makers in PAIRS.items():
         if "fused" in pair:
             continue
@@ -202,10 +216,10 @@ def report(repeat: int = 50, device: str = "cpu") -> tuple[str, dict[str, Any]]:
         "| optimizers | iteration | backward | step |",
         "|---|---:|---:|---:|",
     ]
-    for pair, found in times.items():
+    for pair, medians in times.items():
         cells = []
         for key in ("iteration", "backward", "step"):
-            ours, theirs = found["mixedopt"][key], found["torch"][key]
+            ours, theirs = medians["mixedopt"][key], medians["torch"][key]
             cells.append(f"{ours:.2f} / {theirs:.2f} = {ours / theirs:.2f}x")
         lines.append(f"| {pair} | " + " | ".join(cells) + " |")
     return "\n".join(lines), {"op_counts": counts, "iteration_ms": times}

@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from mixedopt import bench, bench_small
+from mixedopt import _bench_format, _bench_setup, _bench_timing, bench, bench_small
 
 NUMEL = 1 << 16
 PARAMS = 3
@@ -51,7 +52,7 @@ def test_every_row_with_times_and_persistent_bytes(tmp_path, capsys):
     document = _run(tmp_path, "--no-memory", "--variants", ",".join(VARIANTS))
     rows = document["rows"]
     pairs = [(row["optimizer"], row["variant"]) for row in rows]
-    assert pairs == [(o, v) for o in bench.OPTIMIZERS for v in VARIANTS]
+    assert pairs == [(o, v) for o in _bench_setup.OPTIMIZERS for v in VARIANTS]
 
     for row in rows:
         if not row["available"]:
@@ -148,14 +149,14 @@ def test_bad_arguments_are_argparse_errors(argv, capsys):
 
 
 def test_training_iteration_benchmark_compares_three_optimizers():
-    results = bench.iteration_benchmark(
-        bench.torch.device("cpu"), width=16, layers=4, batch=2, repeat=2, warmup=0
+    results = _bench_timing.iteration_benchmark(
+        torch.device("cpu"), width=16, layers=4, batch=2, repeat=2, warmup=0
     )
-    assert [r["variant"] for r in results] == list(bench.ITERATION_VARIANTS)
+    assert [r["variant"] for r in results] == list(_bench_timing.ITERATION_VARIANTS)
     assert results[0]["ratio"] == pytest.approx(1.0)
     assert all(r["median_ms"] > 0 and len(r["ms"]) == 2 for r in results)
     assert all(r["page_faults"] >= 0 for r in results)  # Linux counts them
-    table = bench.format_iteration(results)
+    table = _bench_format.format_iteration(results)
     assert table.count("\n") == 1 + len(results)
 
 
@@ -202,7 +203,7 @@ def test_without_tqdm_the_iteration_and_small_parameter_phases_print_progress(
 ):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     # Quick stand-ins: the fused variant compiles for seconds, the small regime runs minutes.
-    monkeypatch.delitem(bench.ITERATION_VARIANTS, "mixedopt AdamW fused")
+    monkeypatch.delitem(_bench_timing.ITERATION_VARIANTS, "mixedopt AdamW fused")
     monkeypatch.setattr(bench_small, "report", lambda repeat, device: ("small table", {}))
     argv = [*SMALL, "--optimizers", "sgd", "--variants", "mixedopt", "--no-memory"]
     argv = [a for a in argv if a not in ("--no-iteration", "--no-small")]
