@@ -216,6 +216,12 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
                     "master weights, so every parameter must be torch.float32 (keep the model in "
                     "float32 and use torch.autocast for low-precision compute)"
                 )
+            if p.is_inference():
+                raise ValueError(
+                    f"mixedopt.{name} got a parameter created under torch.inference_mode(): "
+                    "autograd keeps no node to hook for it, and it cannot be updated in place "
+                    "outside inference mode; create the parameters outside inference mode"
+                )
             self._grad_storage.check_can_manage(p)
         self._check_fused_devices(group)
 

@@ -107,10 +107,11 @@ class _Slot:
     def __init__(self, param: Tensor) -> None:
         self.param = param
         # Holding the AccumulateGrad node keeps it (and the hook on it) alive between backwards.
-        # A view records its grad_fn only with grad mode on (an optimizer made under no_grad).
-        with torch.enable_grad():
+        # A view records its grad_fn only with grad mode on and outside inference mode (an
+        # optimizer made under no_grad() or inference_mode()).
+        with torch.inference_mode(False), torch.enable_grad():
             grad_fn = param.view_as(param).grad_fn
-        assert grad_fn is not None, "under grad mode a view of a parameter records its grad_fn"
+        assert grad_fn is not None, "not an inference tensor (refused by the optimizer)"
         self.accumulator: Any = grad_fn.next_functions[0][0]
         self.handles: list[Any] = []
         self.original_grad_dtype = param.grad_dtype

@@ -30,6 +30,16 @@ def test_refused_construction_leaves_parameters_plain():
     assert good.grad.dtype == torch.float32
 
 
+def test_a_parameter_created_under_inference_mode_is_refused_and_nothing_is_installed():
+    good = nn.Parameter(torch.ones(2))
+    with torch.inference_mode():
+        made_there = nn.Parameter(torch.ones(2))
+    with pytest.raises(ValueError, match=r"created under torch.inference_mode\(\).*outside"):
+        mixedopt.Adam([good, made_there])
+    (good * 2).sum().backward()
+    assert good.grad.dtype == torch.float32
+
+
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float64, torch.int8, "float16", None])
 def test_bad_grad_dtype_is_refused(grad_dtype):
     with pytest.raises(ValueError, match="Invalid grad_dtype.*torch.float16 or torch.bfloat16"):

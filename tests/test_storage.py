@@ -279,6 +279,15 @@ def test_an_optimizer_made_under_no_grad_stores_gradients():
     opt.step()
 
 
+def test_an_optimizer_made_under_inference_mode_stores_gradients():
+    model = small_model()
+    with torch.inference_mode():
+        opt = mixedopt.Adam(model.parameters())
+    autocast_backward(model, torch.randn(4, 6))
+    assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+    opt.step()
+
+
 def test_frozen_parameters_are_accepted_and_left_alone():
     model = small_model()
     model[0].weight.requires_grad_(False)
