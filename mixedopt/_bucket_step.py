@@ -29,6 +29,7 @@ from torch import Tensor
 from ._bucket_store import WholeBucket
 from ._default_step import upcast_stored
 from ._packing import Workspace, budget, dense
+from ._scales import any_non_finite
 from ._storage import GradientStorage
 
 
@@ -144,7 +145,7 @@ class BucketSteps:
         bounds = [bucket.stats[:, 1] for bucket in buckets]
         if len(bounds) > 1:
             bounds = [torch.cat([bound.to(device) for bound in bounds])]
-        return unscale, ~bounds[0].isfinite().all()
+        return unscale, any_non_finite(bounds[0])
 
     def _update_buckets(
         self, buckets: list[WholeBucket], unscale: Tensor | None, skip: Tensor | None

@@ -38,7 +38,7 @@ from ._distributed import full_values, is_dtensor
 from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
 from ._packing import Entry, Workspace, by_device, dense_order, flat_view
-from ._scales import abs_max
+from ._scales import abs_max, any_non_finite
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
@@ -485,8 +485,9 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
         ``clip_grad_norm_`` does.
         """
         device = entries[0].param.device
-        unscale = torch.ones((), dtype=torch.float32, device=device)
-        skip = torch.zeros((), dtype=torch.bool, device=device)
+        # None: 1 and False, without an operation to make them.
+        unscale = None
+        skip = None
         if grad_scale is not None:
             unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
         if found_inf is not None:  # GradScaler checked every gradient already
@@ -496,10 +497,12 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
         scales = stats[:, 0]
         if self.max_grad_norm is not None:
             norms = self._stored_norms(entries, device) / scales
-            total = torch.linalg.vector_norm(norms * unscale)
+            total = torch.linalg.vector_norm(norms if unscale is None else norms * unscale)
             self.last_grad_norm = total
-            skip = skip | ~torch.isfinite(total)
-            unscale = unscale * torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            non_finite = any_non_finite(total)
+            skip = non_finite if skip is None else skip | non_finite
+            clip = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            unscale = clip if unscale is None else unscale * clip
         elif found_inf is None:
             amax = stats[:, 1]
             # Backward measured the gradients it stored: only the others are read here.
@@ -510,8 +513,9 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, torch.optim.Optimizer):
                 amax = amax.index_put(
                     (at,), torch.stack([m.to(device) for m in measured]) / scales[at]
                 )
-            skip = ~amax.isfinite().all()
-        return unscale / scales, skip
+            skip = any_non_finite(amax)
+        assert skip is not None  # set by one of the three cases above
+        return (scales.reciprocal() if unscale is None else unscale / scales), skip
 
     @staticmethod
     def _stored_norms(entries: list[Entry], device: torch.device) -> Tensor:

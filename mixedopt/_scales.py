@@ -81,6 +81,15 @@ def abs_max(t: Tensor) -> Tensor:
     return torch.maximum(high, -low).float()
 
 
+def any_non_finite(bounds: Tensor) -> Tensor:
+    """Whether a bound of ``bounds`` (magnitudes, none negative) is inf or NaN: a 0-dim bool.
+
+    Three operations, where ``~bounds.isfinite().all()`` takes six: the largest bound (NaN
+    propagates) is not below infinity. ``bounds`` has at least one element.
+    """
+    return ~(bounds.amax() < math.inf)
+
+
 class StorageScales:
     """The scale of one gradient at a time: stored alone, and read back; see the module."""
 
