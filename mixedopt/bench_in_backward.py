@@ -22,7 +22,8 @@ Memory
     then VmHWM; on CUDA from the allocator's peak.
 
 Speed
-    A training iteration (forward under ``autocast(float16)``, backward, step, zero_grad) with
+    A training iteration (forward under ``autocast(float16)``, or ``--autocast-dtype
+    bfloat16``, backward, step, zero_grad) with
     ``backward(); step()``, with ``step_in_backward()``, and with ``step_in_backward()`` and the
     forward under ``mixedopt.autocast`` (mixedopt.AdamW), taking turns, on
     the 4-layer 1024-wide MLP (batch 64) and on 64 x Linear(64, 64) (batch 16): median times and
@@ -74,11 +75,11 @@ def scaled_model(layers: int, width: int, device: str = "cpu") -> nn.Module:
     return model
 
 
-# name -> the context a forward runs in, on a device type.
-FORWARDS: dict[str, Callable[[str], contextlib.AbstractContextManager[Any]]] = {
-    "float32": lambda device_type: contextlib.nullcontext(),
-    "torch.autocast": lambda device_type: torch.autocast(device_type, dtype=torch.float16),
-    "mixedopt.autocast": lambda device_type: mixedopt.autocast(device_type, dtype=torch.float16),
+# name -> the context a forward runs in, on a device type, computing in a 16-bit dtype.
+FORWARDS: dict[str, Callable[[str, torch.dtype], contextlib.AbstractContextManager[Any]]] = {
+    "float32": lambda device_type, dtype: contextlib.nullcontext(),
+    "torch.autocast": lambda device_type, dtype: torch.autocast(device_type, dtype=dtype),
+    "mixedopt.autocast": lambda device_type, dtype: mixedopt.autocast(device_type, dtype=dtype),
 }
 
 
@@ -88,9 +89,10 @@ def iteration(
     x: torch.Tensor,
     in_backward: bool,
     forward: str = "torch.autocast",
+    dtype: torch.dtype = torch.float16,
 ) -> None:
     """One training iteration, its forward in ``FORWARDS[forward]``, stepping after or in it."""
-    with FORWARDS[forward](x.device.type):
+    with FORWARDS[forward](x.device.type, dtype):
         loss = model(x).float().square().mean()
     if in_backward:
         with opt.step_in_backward():
@@ -190,9 +192,18 @@ SPEED_WAYS = {
 
 
 def iteration_times(
-    layers: int, width: int, batch: int, repeat: int = 50, warmup: int = 5, device: str = "cpu"
+    layers: int,
+    width: int,
+    batch: int,
+    repeat: int = 50,
+    warmup: int = 5,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float16,
 ) -> dict[str, float]:
-    """Median milliseconds of an iteration in each of ``SPEED_WAYS``, taking turns."""
+    """Median milliseconds of an iteration in each of ``SPEED_WAYS``, taking turns.
+
+    The forward computes in ``dtype`` (autocast's); the gradients are float16 either way.
+    """
     x = torch.randn(batch, width, device=device)
     runs: dict[str, tuple[Callable[[], None], Any, list[float]]] = {}
     for name, (in_backward, forward) in SPEED_WAYS.items():
@@ -205,7 +216,7 @@ def iteration_times(
             in_backward: bool = in_backward,
             forward: str = forward,
         ) -> None:
-            iteration(model, opt, x, in_backward, forward)
+            iteration(model, opt, x, in_backward, forward, dtype)
 
         for _ in range(warmup):
             run()
@@ -219,9 +230,14 @@ def iteration_times(
 
 
 def report(
-    layers: int = 64, width: int = 1024, repeat: int = 50, device: str = "cpu", memory: bool = True
+    layers: int = 64,
+    width: int = 1024,
+    repeat: int = 50,
+    device: str = "cpu",
+    memory: bool = True,
+    dtype: torch.dtype = torch.float16,
 ) -> tuple[str, dict[str, Any]]:
-    """Both tables as text, and their figures."""
+    """Both tables as text, and their figures (the speed table's forward in ``dtype``)."""
     lines = []
     figures: dict[str, Any] = {}
     if memory:
@@ -246,14 +262,17 @@ def report(
     figures["iteration_ms"] = {}
     ways = list(SPEED_WAYS)
     lines += [
-        f"Training iteration, mixedopt.AdamW, autocast(float16), median of {repeat}, ms "
+        f"Training iteration, mixedopt.AdamW, autocast({str(dtype).removeprefix('torch.')}), "
+        f"median of {repeat}, ms "
         f"(ratios to {STEPPED}):",
         "",
         "| model | " + " | ".join(ways) + " |",
         "|---|" + "---:|" * len(ways),
     ]
     for name, (model_layers, model_width, batch) in SPEED_MODELS.items():
-        times = iteration_times(model_layers, model_width, batch, repeat, device=device)
+        times = iteration_times(
+            model_layers, model_width, batch, repeat, device=device, dtype=dtype
+        )
         figures["iteration_ms"][name] = times
         base = times[STEPPED]
         cells = [f"{times[STEPPED]:.2f}"]
@@ -273,13 +292,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeat", type=bench._positive, default=50, help="timed iterations")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="speed only")
+    parser.add_argument(
+        "--autocast-dtype",
+        choices=["float16", "bfloat16"],
+        default="float16",
+        help="the dtype the timed forwards compute in (float16); bfloat16 shows the optimizer's "
+        "share on a CPU whose float16 matrix products are slow",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child is not None:
         print(json.dumps(peak_bytes_per_parameter(json.loads(args.child))))
         return 0
-    text, figures = report(args.layers, args.width, args.repeat, args.device, args.memory)
+    dtype = getattr(torch, args.autocast_dtype)
+    text, figures = report(args.layers, args.width, args.repeat, args.device, args.memory, dtype)
     print(text)
     if args.json:
         with open(args.json, "w") as f:

@@ -277,3 +277,25 @@ def test_in_turn_starts_each_round_with_the_next_variant():
     rounds = [bench_small.in_turn(["a", "b", "c"], i) for i in range(4)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     assert bench_small.in_turn([], 3) == []
+
+
+def test_step_in_backward_benchmark_times_forwards_in_the_autocast_dtype_asked_for(
+    capsys, monkeypatch
+):
+    from mixedopt import bench_in_backward
+
+    monkeypatch.setattr(bench_in_backward, "SPEED_MODELS", {"2 x Linear(8, 8)": (2, 8, 4)})
+    outputs = []
+    iteration = bench_in_backward.iteration
+
+    def recording(model, opt, x, in_backward, forward, dtype):
+        with bench_in_backward.FORWARDS[forward](x.device.type, dtype):
+            outputs.append((forward, model(x).dtype))
+        iteration(model, opt, x, in_backward, forward, dtype)
+
+    monkeypatch.setattr(bench_in_backward, "iteration", recording)
+    argv = ["--no-memory", "--repeat", "2", "--autocast-dtype", "bfloat16"]
+    assert bench_in_backward.main(argv) == 0
+    assert "autocast(bfloat16)" in capsys.readouterr().out
+    assert {dtype for _, dtype in outputs} == {torch.bfloat16}
+    assert {forward for forward, _ in outputs} == {"torch.autocast", "mixedopt.autocast"}
