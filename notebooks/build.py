@@ -1,11 +1,14 @@
 """Write the example notebooks of ``notebooks/`` from the cell sources beside this file.
 
 The notebooks are generated so that their code can be reviewed as plain Python. Each notebook's
-cells are a list of ``(kind, source)`` pairs in a module of their own, next to this file:
+cells are a list of ``(kind, source)`` pairs in a module of their own, next to this file::
 
     cells_01_quickstart.py                   QUICKSTART -> 01_quickstart.ipynb
     cells_02_memory_and_speed.py             MEMORY     -> 02_memory_and_speed.ipynb
     cells_03_numerics_and_convergence.py     NUMERICS   -> 03_numerics_and_convergence.ipynb
+
+and ``cells_common.py`` holds the lines they share (smoke mode, the clock, the seed, the figure
+settings, the last cell), written into each notebook: a notebook cannot import another's cells.
 
 Usage, from the repository root::
 

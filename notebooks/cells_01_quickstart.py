@@ -14,6 +14,8 @@ with ``RMSprop`` and a ``CosineAnnealingLR`` schedule. It teaches
 ``"code"``; ``build.py`` writes the notebook from them.
 """
 
+from cells_common import RUN_TIME, SEED_AND_VERSIONS, SMOKE_AND_CLOCK
+
 QUICKSTART: list[tuple[str, str]] = [
     (
         "md",
@@ -49,17 +51,14 @@ from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import mixedopt
 
-SMOKE = os.environ.get("MIXEDOPT_SMOKE", "0") not in ("", "0")
-STARTED = time.perf_counter()
+"""
+        + SMOKE_AND_CLOCK
+        + """
 BATCH = 8 if SMOKE else 32
 STEPS = 3 if SMOKE else 20
 
-torch.manual_seed(0)
-print(
-    f"torch {torch.__version__} | mixedopt {mixedopt.__version__} | "
-    f"{torch.get_num_threads()} CPU threads | smoke mode: {SMOKE}"
-)
-""",
+"""
+        + SEED_AND_VERSIONS,
     ),
     (
         "code",
@@ -408,10 +407,5 @@ show_error("scaler.unscale_(optimizer) with mixedopt:", lambda: scaler.unscale_(
 * Read gradients through `optimizer.true_grad(p)`.
 """,
     ),
-    (
-        "code",
-        """
-print(f"notebook ran in {time.perf_counter() - STARTED:.0f} s (smoke mode: {SMOKE})")
-""",
-    ),
+    RUN_TIME,
 ]

@@ -15,6 +15,8 @@ gradients, optimizer state, and the temporaries of ``step()``) and what float16 
 ``build.py`` writes the notebook from them.
 """
 
+from cells_common import FIGURE_SETTINGS, RUN_TIME, SEED_AND_VERSIONS, SMOKE_AND_CLOCK
+
 MEMORY: list[tuple[str, str]] = [
     (
         "md",
@@ -56,11 +58,11 @@ from torch import nn
 
 import mixedopt
 
-%config InlineBackend.figure_format = 'png'
-plt.rcParams["figure.dpi"] = 80
-
-SMOKE = os.environ.get("MIXEDOPT_SMOKE", "0") not in ("", "0")
-STARTED = time.perf_counter()
+"""
+        + FIGURE_SETTINGS
+        + "\n\n"
+        + SMOKE_AND_CLOCK
+        + """
 DOCS = Path("..") / "docs"
 GPU_JSON = DOCS / "bench_gpu.json"
 
@@ -71,12 +73,8 @@ OPTIMIZERS = {
     "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9}),
 }
 LABELS = {"rmsprop": "RMSprop", "adam": "Adam", "sgd": "SGD, momentum 0.9"}
-torch.manual_seed(0)
-print(
-    f"torch {torch.__version__} | mixedopt {mixedopt.__version__} | "
-    f"{torch.get_num_threads()} CPU threads | smoke mode: {SMOKE}"
-)
-""",
+"""
+        + SEED_AND_VERSIONS,
     ),
     (
         "md",
@@ -523,10 +521,5 @@ else:
     )
 """,
     ),
-    (
-        "code",
-        """
-print(f"notebook ran in {time.perf_counter() - STARTED:.0f} s (smoke mode: {SMOKE})")
-""",
-    ),
+    RUN_TIME,
 ]

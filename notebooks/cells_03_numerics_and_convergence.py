@@ -13,6 +13,8 @@ The notebook teaches two things about float16 gradients:
 ``"code"``; ``build.py`` writes the notebook from them.
 """
 
+from cells_common import FIGURE_SETTINGS, RUN_TIME, SEED_AND_VERSIONS, SMOKE_AND_CLOCK
+
 NUMERICS: list[tuple[str, str]] = [
     (
         "md",
@@ -51,11 +53,11 @@ from torch import nn
 
 import mixedopt
 
-%config InlineBackend.figure_format = 'png'
-plt.rcParams["figure.dpi"] = 80
-
-SMOKE = os.environ.get("MIXEDOPT_SMOKE", "0") not in ("", "0")
-STARTED = time.perf_counter()
+"""
+        + FIGURE_SETTINGS
+        + "\n\n"
+        + SMOKE_AND_CLOCK
+        + """
 DOCS = Path("..") / "docs"
 EPOCHS = 1 if SMOKE else 12
 STEPS_PER_EPOCH = 8 if SMOKE else None  # None: the whole training split
@@ -63,12 +65,8 @@ BATCH = 64
 LR = 3e-3
 LOSS_SCALES = [1e-6, 1e-3, 1.0, 1e3] if SMOKE else [10.0**k for k in range(-6, 4)]
 
-torch.manual_seed(0)
-print(
-    f"torch {torch.__version__} | mixedopt {mixedopt.__version__} | "
-    f"{torch.get_num_threads()} CPU threads | smoke mode: {SMOKE}"
-)
-""",
+"""
+        + SEED_AND_VERSIONS,
     ),
     (
         "code",
@@ -358,10 +356,5 @@ floor (a few times 1e-4) at every loss scale. Above float16's largest value (655
 float16 gradients become inf; mixedopt scales them down instead.
 """,
     ),
-    (
-        "code",
-        """
-print(f"notebook ran in {time.perf_counter() - STARTED:.0f} s (smoke mode: {SMOKE})")
-""",
-    ),
+    RUN_TIME,
 ]
