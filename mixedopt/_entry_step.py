@@ -5,25 +5,32 @@ gradients it finds, and what ``step_in_backward()`` does with each bucket backwa
 ``_collect`` takes what a step updates: the whole buckets first (``BucketSteps`` of
 ``_bucket_step.py``, the fast path beside this one), then each other gradient as an ``Entry``
 (``_entries``: its parameter, its ``.grad``, and where its row of the storage's stats table is).
+
 ``_step_entries`` finds, for all entries at once, each one's factor to its true value (1 /
 storage scale x 1 / loss scale x clip coefficient) and whether the step is skipped
 (``_factors_and_skip``: a fixed number of operations, no host synchronisation). The storage
-scales and the bounds on the true gradients are columns of the stats table; a gradient whose
-bound no longer holds (assigned, changed in place) is measured; with ``max_grad_norm`` the norm
-of every gradient (``_stored_norms``) gives the clip coefficient and ``last_grad_norm``. If any
-gradient, of an entry or of a whole bucket, is inf or NaN, nothing is updated. Then the whole
-buckets are updated by ``BucketSteps``, the entries of a ``fused=True`` group whose state exists
-by ``FusedSteps`` (``_fused_step.py``), and the others by ``_step_group``: it creates the state
-as the parent does and hands the entries to the functional updates in batches
-(``default_update`` of ``_default_step.py``: gradients upcast and unscaled into bounded float32
-buffers). ``_foreach`` and ``_fused`` choose, for one such batch, the implementation of torch's
-functional update that an optimizer file's ``_update`` calls.
+scales are a column of the stats table. With ``max_grad_norm`` the norm of every gradient
+(``_stored_norms``) gives the clip coefficient, ``last_grad_norm`` and the inf/NaN check (and
+GradScaler's ``found_inf``, where there is one); without it, ``found_inf`` decides, or else the
+bounds on the true gradients, another column (a gradient whose bound no longer holds, assigned
+or changed in place, is measured). If any gradient, of an entry or of a whole bucket, is inf or
+NaN, nothing is updated.
+
+Then the whole buckets are updated by ``BucketSteps``, and the entries of each group: by
+``FusedSteps`` (``_fused_step.py``) when every group of the step is ``fused=True`` and has its
+state (and compiling has not failed), else by ``_step_group``, which creates the state as the
+parent does and hands the entries to the functional update in batches (``default_update`` of
+``_default_step.py``: gradients upcast and unscaled into bounded float32 buffers). ``_foreach``
+and ``_fused`` choose, for one such batch, the implementation of torch's functional update that
+an optimizer file's ``_update`` calls.
 
 It is the reference because it takes every gradient, however it is stored (alone, in a bucket
 shared with another optimizer, assigned, changed in place, of a parameter without state yet):
 the bucket path takes only what needs nothing per parameter, and is tested against this one
 (``tests/test_bucket_step.py``). ``_warn_if_changed_in_place`` is here because only entries can
-hold a float16 gradient changed in place before ``step()``.
+hold a float16 gradient changed in place before ``step()``. A stage of its own, like the bucket
+path and ``fused=True``, it leaves ``_core.py`` the optimizer itself: construction, checks and
+``step()``.
 """
 
 from __future__ import annotations
