@@ -9,8 +9,8 @@ its inf/NaN check another, its rows are upcast and unscaled with one multiplicat
 float32 buffer of the same layout, and its views go to the parent's functional update, per
 parameter group. That is ``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``).
 
-Everything else takes the reference path (``MixedPrecisionOptimizer._entries`` and
-``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
+Everything else takes the reference path (``EntrySteps`` of ``_entry_step.py``: ``_entries``
+and ``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
 gradient's norm), gradients stored alone, assigned or changed in place, a bucket shared with
 another optimizer, and parameters a ``fused=True`` group updates with compiled kernels. Both
 paths give the same weights and state (``tests/test_bucket_step.py``), and one step may take
@@ -96,7 +96,7 @@ class BucketSteps:
         if fused[index] and (
             not self._torch_fused
             or max(bucket.layout.numels) > budget(bucket.stored.device).fused_small
-            or not dense(params)  # see _core.MixedPrecisionOptimizer._fused
+            or not dense(params)  # see _entry_step.EntrySteps._fused
         ):
             return None
         if not keys[index]:  # like the parent, an optimizer without state (SGD) records none

@@ -243,7 +243,8 @@ class FusedSteps:
                 taken = [
                     i
                     for i, e in enumerate(device_entries)
-                    if e.param.numel() <= small and dense_order(e.param) is not None  # _core._fused
+                    # Dense: see _entry_step.EntrySteps._fused.
+                    if e.param.numel() <= small and dense_order(e.param) is not None
                 ]
                 if taken:
                     self._torch_fused_update(

@@ -3,8 +3,8 @@
 The arithmetic, pure functions of tensors: ``power_of_two_scale`` puts a tensor's largest
 magnitude (``abs_max``) in ``[2**7, 2**8)``; powers of two are exact to apply and to undo, so a
 stored gradient's only error is its 16-bit rounding. Each has an ``_on_host`` twin giving the
-same result from a value read on the host. The step (``_core.py``) measures gradients with
-``abs_max`` too.
+same result from a value read on the host. The step's reference path (``_entry_step.py``)
+measures gradients with ``abs_max`` too.
 
 ``StorageScales`` (mixed into ``_storage.GradientStorage``) is the storage's stage for one
 gradient at a time, next to the buckets of ``_bucket_store.py``: the scale of a gradient in the

@@ -1,0 +1,362 @@
+"""The reference path of a step: each gradient taken on its own, as an entry.
+
+``EntrySteps`` (mixed into ``MixedPrecisionOptimizer``) is what ``step()`` does with the
+gradients it finds, and what ``step_in_backward()`` does with each bucket backward stores.
+``_collect`` takes what a step updates: the whole buckets first (``BucketSteps`` of
+``_bucket_step.py``, the fast path beside this one), then each other gradient as an ``Entry``
+(``_entries``: its parameter, its ``.grad``, and where its row of the storage's stats table is).
+
+``_step_entries`` finds, for all entries at once, each one's factor to its true value (1 /
+storage scale x 1 / loss scale x clip coefficient) and whether the step is skipped
+(``_factors_and_skip``: a fixed number of operations, no host synchronisation). The storage
+scales are a column of the stats table. With ``max_grad_norm`` the norm of every gradient
+(``_stored_norms``) gives the clip coefficient, ``last_grad_norm`` and the inf/NaN check (and
+GradScaler's ``found_inf``, where there is one); without it, ``found_inf`` decides, or else the
+bounds on the true gradients, another column (a gradient whose bound no longer holds, assigned
+or changed in place, is measured). If any gradient, of an entry or of a whole bucket, is inf or
+NaN, nothing is updated.
+
+Then the whole buckets are updated by ``BucketSteps``, and the entries of each group: by
+``FusedSteps`` (``_fused_step.py``) when every group of the step is ``fused=True`` and has its
+state (and compiling has not failed), else by ``_step_group``, which creates the state as the
+parent does and hands the entries to the functional update in batches (``default_update`` of
+``_default_step.py``: gradients upcast and unscaled into bounded float32 buffers). ``_foreach``
+and ``_fused`` choose, for one such batch, the implementation of torch's functional update that
+an optimizer file's ``_update`` calls.
+
+It is the reference because it takes every gradient, however it is stored (alone, in a bucket
+shared with another optimizer, assigned, changed in place, of a parameter without state yet):
+the bucket path takes only what needs nothing per parameter, and is tested against this one
+(``tests/test_bucket_step.py``). ``_warn_if_changed_in_place`` is here because only entries can
+hold a float16 gradient changed in place before ``step()``. A stage of its own, like the bucket
+path and ``fused=True``, it leaves ``_core.py`` the optimizer itself: construction, checks and
+``step()``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _packing
+from ._bucket_store import WholeBucket
+from ._default_step import default_update
+from ._distributed import full_values, is_dtensor
+from ._packing import Entry, Workspace, by_device, dense_order, flat_view
+from ._scales import abs_max, any_non_finite
+from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
+
+_LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first caller outside mixedopt and torch.
+
+    ``step()`` is reached through torch's wrappers (hooks, no_grad, torch.compiler.disable).
+    """
+    level = 1
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
+        level, frame = level + 1, frame.f_back
+    return level
+
+
+def _l2_norm(grad: Tensor) -> Tensor:
+    """L2 norm in float32, slice by slice: no float32 copy of a whole large gradient."""
+    capacity = _packing.budget(grad.device).capacity
+    # A sharded (DTensor) gradient: its own norm, a value to be reduced over ranks (full_values).
+    order = None if grad.numel() <= capacity or is_dtensor(grad) else dense_order(grad)
+    flat = None if order is None else flat_view(grad, order)
+    if flat is None:
+        return torch.linalg.vector_norm(grad, dtype=torch.float32)
+    parts = [
+        torch.linalg.vector_norm(flat[start : start + capacity], dtype=torch.float32)
+        for start in range(0, flat.numel(), capacity)
+    ]
+    return torch.linalg.vector_norm(torch.stack(parts))
+
+
+class EntrySteps:
+    """The reference path of ``step()``; see the module's docstring."""
+
+    # What the optimizer it is mixed into provides (``_core.MixedPrecisionOptimizer``, torch.optim's
+    # classes, ``BucketSteps``, ``FusedSteps`` and the optimizer files).
+    param_groups: list[dict[str, Any]]
+    state: Any
+    grad_dtype: torch.dtype
+    max_grad_norm: float | None
+    last_grad_norm: Tensor | None
+    _grad_storage: GradientStorage
+    _workspace: Workspace
+    _warned_changed_in_place: bool
+    _skipped_on_device: Tensor | None
+    _take_whole_buckets: Callable[[list[list[Tensor]] | None], tuple[list[WholeBucket], int]]
+    _bucket_factors_and_skip: Callable[
+        [list[WholeBucket], Tensor | None, Tensor | None], tuple[Tensor | None, Tensor]
+    ]
+    _update_buckets: Callable[[list[WholeBucket], Tensor | None, Tensor | None], None]
+    _fused_ready: Callable[[dict[str, Any], list[Entry]], bool]
+    _fused_step_group: Callable[[dict[str, Any], list[Entry], Tensor, Tensor | None], None]
+    _state_keys: Callable[[dict[str, Any]], list[str]]
+    _init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
+    _update: Callable[..., None]
+
+    def _step_entries(
+        self,
+        steps: list[tuple[dict[str, Any], list[Entry]]],
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        on_host: bool = False,
+        buckets: list[WholeBucket] | None = None,
+    ) -> bool:
+        """Update each group's entries and ``buckets``; ``False`` where the step is skipped.
+
+        Skipped, nothing changed, when GradScaler's ``found_inf`` is set or a gradient is inf
+        or NaN. Fused steps on an accelerator decide that on the device (and return ``True``)
+        unless ``on_host``. ``buckets`` take their own path (``BucketSteps``).
+        """
+        entries = [e for _, group_entries in steps for e in group_entries]
+        skips, factors = [], None
+        if entries:
+            factors, skip = self._factors_and_skip(entries, grad_scale, found_inf)
+            skips.append(skip)
+        if buckets:
+            unscale, skip = self._bucket_factors_and_skip(buckets, grad_scale, found_inf)
+            skips.append(skip)
+        skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
+        bucket_groups = set().union(*(bucket.groups for bucket in buckets or ()))
+        fused = all(self._fused_ready(group, entries) for group, entries in steps) and all(
+            self._fused_ready(self.param_groups[index], []) for index in bucket_groups
+        )
+        on_device = fused and skip.device.type != "cpu" and not on_host
+        # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
+        # old values where it is set, without host synchronisation.
+        if not on_device and bool(skip):
+            return False
+        if buckets:
+            self._update_buckets(buckets, unscale, skip if on_device else None)
+        start = 0
+        for group, group_entries in steps:
+            assert factors is not None
+            group_factors = factors[start : start + len(group_entries)]
+            start += len(group_entries)
+            if fused:
+                device_skip = skip if on_device else None
+                self._fused_step_group(group, group_entries, group_factors, device_skip)
+            else:
+                self._step_group(group, group_entries, group_factors)
+        if on_device:
+            if self._skipped_on_device is None:
+                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
+            self._skipped_on_device += skip
+        return True
+
+    def _warn_if_changed_in_place(self, entries: list[Entry]) -> None:
+        """Warn, once, when code changed stored float16 gradients in place before ``step()``.
+
+        They hold the true gradient times a per-tensor scale, so what such code computed from
+        them (a clipping norm, above all) is wrong. A change that left the largest magnitude as
+        stored (clipping by a coefficient of 1, which Hugging Face's Trainer does to log a norm)
+        is no change; nor are gradients zeroed in place (``zero_grad(set_to_none=False)`` before a
+        backward that gave them nothing).
+        """
+        changed = [e for e in entries if e.stats is not None and not e.amax_current]
+        if not changed:
+            return
+        device = changed[0].grad.device
+        stats, _ = self._grad_storage.stats_table([(e.stats, e.row) for e in changed], device)
+        stored = (stats[:, 0] * stats[:, 1]).to(self.grad_dtype).float()  # largest when stored
+        grads = [e.grad for e in changed]
+        if all(g.device == device and g.numel() and not is_dtensor(g) for g in grads):
+            # Every step under Hugging Face's Trainer (it clips by infinity): one operation.
+            now = torch.stack(torch._foreach_norm(grads, float("inf"))).float()
+        else:
+            now = torch.stack([abs_max(g).to(device) for g in grads])
+        if not bool(((now != stored) & (now > 0)).any()):
+            return
+        self._warned_changed_in_place = True
+        name = type(self).__name__
+        warnings.warn(
+            f"mixedopt.{name}: the float16 .grad of parameters was changed in "
+            "place between backward() and step(), for example by "
+            "torch.nn.utils.clip_grad_norm_ (Hugging Face Trainer's max_grad_norm, Lightning's "
+            "gradient_clip_val). Each holds the true gradient times its own power-of-two scale, "
+            "so a norm computed from .grad is not the gradient's norm and clipping by it scales "
+            f"the update wrongly. Clip with mixedopt.{name}(..., max_grad_norm=...) instead "
+            "(optimizer.last_grad_norm holds the norm to log) and turn the framework's clipping "
+            "off, or use grad_dtype=torch.bfloat16, whose .grad holds true values. Warned once.",
+            UserWarning,
+            stacklevel=_user_stacklevel(),
+        )
+
+    def _collect(
+        self, params: list[list[Tensor]] | None = None
+    ) -> tuple[list[WholeBucket], list[tuple[dict[str, Any], list[Entry]]]]:
+        """What a step updates: the whole buckets, and the other gradients per group.
+
+        Among ``params`` (a list per parameter group; default: all of them).
+        """
+        buckets, left = self._take_whole_buckets(params)
+        if not left:  # every gradient is in a whole bucket (-1: not looked for)
+            return buckets, []
+        taken = {id(param) for bucket in buckets for param in bucket.params}
+        if params is None:
+            params = [group["params"] for group in self.param_groups]
+        steps = [
+            (group, self._entries(chosen, taken))
+            for group, chosen in zip(self.param_groups, params, strict=True)
+        ]
+        return buckets, [(group, entries) for group, entries in steps if entries]
+
+    def _entries(
+        self, params: list[Tensor], taken: set[int] | frozenset[int] = frozenset()
+    ) -> list[Entry]:
+        """The parameters of ``params`` that have a gradient, as ``step()`` takes them.
+
+        Those whose id is in ``taken`` are left out (a whole bucket takes them).
+        """
+        name = type(self).__name__
+        storage = self._grad_storage
+        found = []
+        for p in params:
+            grad = p.grad
+            if grad is None or (taken and id(p) in taken):
+                continue
+            if grad.is_sparse:
+                raise RuntimeError(
+                    f"mixedopt.{name} does not support sparse gradients; use dense gradients "
+                    "(for example nn.Embedding(sparse=False))"
+                )
+            if grad.dtype not in (torch.float32, *SUPPORTED_GRAD_DTYPES):
+                raise RuntimeError(
+                    f"mixedopt.{name} got a gradient of dtype {grad.dtype}; a gradient must be "
+                    "float16, bfloat16 or float32"
+                )
+            found.append(Entry(p, grad, *storage.stats_of(p), is_dtensor(p)))
+        return found
+
+    def _factors_and_skip(
+        self, entries: list[Entry], grad_scale: Tensor | None, found_inf: Tensor | None
+    ) -> tuple[Tensor, Tensor]:
+        """Each gradient's factor (to its true, unscaled, clipped value) and the skip flag.
+
+        The factors are a 1-D float32 tensor (one per entry) and the flag a 0-dim bool tensor,
+        both on the first parameter's device, computed with a fixed number of operations and
+        without host synchronisation. With ``max_grad_norm`` it also records
+        ``last_grad_norm``, the L2 norm of all true gradients before clipping, computed as
+        ``clip_grad_norm_`` does.
+        """
+        device = entries[0].param.device
+        # None: 1 and False, without an operation to make them.
+        unscale = None
+        skip = None
+        if grad_scale is not None:
+            unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
+        if found_inf is not None:  # GradScaler checked every gradient already
+            skip = found_inf.to(device) > 0
+        # One row [storage scale, |true gradient| bound] per gradient.
+        stats, _ = self._grad_storage.stats_table([(e.stats, e.row) for e in entries], device)
+        scales = stats[:, 0]
+        if self.max_grad_norm is not None:
+            norms = self._stored_norms(entries, device) / scales
+            total = torch.linalg.vector_norm(norms if unscale is None else norms * unscale)
+            self.last_grad_norm = total
+            non_finite = any_non_finite(total)
+            skip = non_finite if skip is None else skip | non_finite
+            clip = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
+            unscale = clip if unscale is None else unscale * clip
+        elif found_inf is None:
+            amax = stats[:, 1]
+            # Backward measured the gradients it stored: only the others are read here.
+            unknown = [i for i, e in enumerate(entries) if not e.amax_current]
+            if unknown:
+                measured = full_values(abs_max(entries[i].grad) for i in unknown)
+                at = torch.tensor(unknown, device=device)
+                amax = amax.index_put(
+                    (at,), torch.stack([m.to(device) for m in measured]) / scales[at]
+                )
+            skip = any_non_finite(amax)
+        assert skip is not None  # set by one of the three cases above
+        return (scales.reciprocal() if unscale is None else unscale / scales), skip
+
+    @staticmethod
+    def _stored_norms(entries: list[Entry], device: torch.device) -> Tensor:
+        """The float32 L2 norm of each stored gradient (a 1-D tensor on ``device``)."""
+        norms: list[Tensor | None] = [None] * len(entries)
+        capacity = _packing.budget(device).capacity
+        together = [
+            i
+            for i, e in enumerate(entries)
+            if e.grad.device == device and e.grad.numel() <= capacity and not is_dtensor(e.grad)
+        ]
+        if together:
+            found = torch._foreach_norm([entries[i].grad for i in together], 2, dtype=torch.float32)
+            for i, norm in zip(together, found, strict=True):
+                norms[i] = norm
+        for i, e in enumerate(entries):
+            if norms[i] is None:
+                norms[i] = _l2_norm(e.grad)
+        return torch.stack([n.to(device) for n in full_values(norms)])  # type: ignore[arg-type]
+
+    @staticmethod
+    def _foreach(group: dict[str, Any], params: list[Tensor]) -> bool | None:
+        """The ``foreach`` the functional update gets for a batch of ``params``.
+
+        ``foreach=None`` (the default) takes torch's foreach implementation on a CPU for a batch
+        of small tensors (32Ki elements each on average, or fewer), where a dispatch per tensor
+        and operation costs more than the temporaries it saves, and leaves the choice to torch
+        otherwise (the for-loop implementation on a CPU, foreach on CUDA). Both give the same
+        result.
+        """
+        foreach = group["foreach"]
+        if foreach is None and params and params[0].device.type == "cpu":
+            elements = sum(map(Tensor.numel, params))
+            return elements <= _packing.CPU_SMALL * len(params)
+        return foreach
+
+    @staticmethod
+    def _fused(group: dict[str, Any], params: list[Tensor]) -> bool:
+        """Whether a batch of ``params`` takes the parent's fused implementation.
+
+        A ``fused=True`` group's batch, unless a parameter is not dense: torch's fused kernels
+        walk a tensor's memory from its first element to its size, which is right for a dense
+        tensor whose gradient and state share its strides (as mixedopt's do). On a strided view
+        with gaps (torch 2.13, CPU), ``torch.optim.SGD(fused=True)`` updates other elements
+        and writes into the gaps, memory that is not the parameter's. Such a batch takes torch's
+        other implementations, and ``fused=True`` steps give such parameters to the compiled
+        kernels.
+        """
+        return bool(group.get("fused")) and _packing.dense(params)
+
+    def _step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
+        keys = self._state_keys(group)
+        for e in entries:
+            # Like the parent, an optimizer with no state (SGD without momentum) records none.
+            if keys:
+                e.state = self.state[e.param]
+                self._init_state(e.param, group, e.state)
+            for key in keys:
+                if e.state.get(key) is None:
+                    e.created[key] = torch.empty_like(e.param)
+
+        def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
+            self._update(group, params, grads, states, steps)
+
+        for device_entries, device_factors in by_device(entries, factors).values():
+            default_update(
+                update,
+                keys,
+                device_entries,
+                device_factors,
+                self._workspace,
+                self._grad_storage.stored_bucket,
+            )
+        for e in entries:
+            e.state.update(e.created)
