@@ -270,18 +270,10 @@ def test_add_param_group_installs_storage_for_new_parameters():
     assert all(p.grad.dtype == torch.float16 for p in head.parameters())
 
 
-def test_an_optimizer_made_under_no_grad_stores_gradients():
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+def test_an_optimizer_made_under_no_grad_or_inference_mode_stores_gradients(mode):
     model = small_model()
-    with torch.no_grad():
-        opt = mixedopt.Adam(model.parameters())
-    autocast_backward(model, torch.randn(4, 6))
-    assert all(p.grad.dtype == torch.float16 for p in model.parameters())
-    opt.step()
-
-
-def test_an_optimizer_made_under_inference_mode_stores_gradients():
-    model = small_model()
-    with torch.inference_mode():
+    with mode():
         opt = mixedopt.Adam(model.parameters())
     autocast_backward(model, torch.randn(4, 6))
     assert all(p.grad.dtype == torch.float16 for p in model.parameters())
