@@ -15,7 +15,7 @@ gradients, optimizer state, and the temporaries of ``step()``) and what float16 
 ``build.py`` writes the notebook from them.
 """
 
-from cells_common import FIGURE_SETTINGS, RUN_TIME, SEED_AND_VERSIONS, SMOKE_AND_CLOCK
+from cells_common import PLOTTING_PREAMBLE, RUN_TIME, SEED_AND_VERSIONS
 
 MEMORY: list[tuple[str, str]] = [
     (
@@ -59,11 +59,8 @@ from torch import nn
 import mixedopt
 
 """
-        + FIGURE_SETTINGS
-        + "\n\n"
-        + SMOKE_AND_CLOCK
+        + PLOTTING_PREAMBLE
         + """
-DOCS = Path("..") / "docs"
 GPU_JSON = DOCS / "bench_gpu.json"
 
 # The optimizers compared, with the benchmark's arguments: name -> (class name, kwargs).

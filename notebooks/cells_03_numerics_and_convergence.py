@@ -13,7 +13,7 @@ The notebook teaches two things about float16 gradients:
 ``"code"``; ``build.py`` writes the notebook from them.
 """
 
-from cells_common import FIGURE_SETTINGS, RUN_TIME, SEED_AND_VERSIONS, SMOKE_AND_CLOCK
+from cells_common import PLOTTING_PREAMBLE, RUN_TIME, SEED_AND_VERSIONS
 
 NUMERICS: list[tuple[str, str]] = [
     (
@@ -54,11 +54,8 @@ from torch import nn
 import mixedopt
 
 """
-        + FIGURE_SETTINGS
-        + "\n\n"
-        + SMOKE_AND_CLOCK
+        + PLOTTING_PREAMBLE
         + """
-DOCS = Path("..") / "docs"
 EPOCHS = 1 if SMOKE else 12
 STEPS_PER_EPOCH = 8 if SMOKE else None  # None: the whole training split
 BATCH = 64

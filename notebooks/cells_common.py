@@ -28,6 +28,9 @@ FIGURE_SETTINGS = """
 plt.rcParams["figure.dpi"] = 80
 """.strip("\n")
 
+# The settings of the notebooks that plot and write figures into docs/, after their imports.
+PLOTTING_PREAMBLE = FIGURE_SETTINGS + "\n\n" + SMOKE_AND_CLOCK + "\n" + 'DOCS = Path("..") / "docs"'
+
 # The last cell of every notebook.
 RUN_TIME = (
     "code",
