@@ -19,8 +19,9 @@ upcasts a bucket's rows at once (``stored_bucket``, ``_default_step.py``).
 Transient memory: a bucket's gradients (at most ``capacity`` float32 elements, which autograd
 would have kept as ``.grad`` anyway), the staging buffer (``capacity`` float32 elements, kept
 between backwards, zero outside what a bucket writes; a large gradient stored alone on a CPU
-uses it as scratch space, ``_scratch``) and, while a bucket is stored, a float32 temporary of
-its size.
+uses it as scratch space, ``_scratch``). Storing a bucket makes no float32 temporary of its
+size: the scaling is done in place in the staging rows, and the one new buffer is the 16-bit
+one the gradients then are.
 
 Storage work (storing a bucket or a gradient alone, ``flush``) is marked with
 ``_deferring_releases``, defined here with the first of them: an optimizer's release that
