@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,12 +44,9 @@ class BucketSteps:
     _grad_storage: GradientStorage
     _workspace: Workspace
     _torch_fused: bool
-
-    def _state_keys(self, group: dict[str, Any]) -> list[str]:
-        raise NotImplementedError
-
-    def _update(self, *args: Any, **kwargs: Any) -> None:
-        raise NotImplementedError
+    # The optimizer's own hooks (MixedPrecisionOptimizer and the optimizer files).
+    _state_keys: Callable[[dict[str, Any]], list[str]]
+    _update: Callable[..., None]
 
     def _take_whole_buckets(
         self, params: list[list[Tensor]] | None = None
