@@ -267,13 +267,17 @@ def recompiles_allowed() -> Iterator[None]:
 
 
 # Large parameters updated by one compiled call of ``run_each``. Fewer are padded with scratch
-# ones, so that one compiled variant serves any number. Each one more lengthens the first
-# compile, which must stay short. Measured on a 2-core CPU (AMD EPYC), the step of 16 x 2M
-# elements against torch's (Adam: fused; RMSprop: foreach) with one, two and four per call:
-# Adam 1.32x, 1.17x, 1.09x; RMSprop 0.316x, 0.266x, 0.273x. Adam's first fused step (which
-# compiles this variant only) took 11.2, 12.6 and 17.0 s (14.8 s without the masked tail, see
-# ``compiled``): with two it stays near where it was.
-PARAMETERS_PER_CALL = 2
+# ones, so that one compiled variant serves any number. A call costs far more than its Python
+# suggests: each comes after a pass over megabytes that has emptied the caches, and its guards,
+# wrappers and the step's bookkeeping run cold (about 0.2 ms a call on a 2-core AMD EPYC with
+# AVX-512). Each parameter more per call lengthens the first compile (one more loop in the C++
+# kernel), which must stay under 15 s. Measured there on 16 x 2M elements, interleaved, with two,
+# eight and sixteen per call, ratios to torch's fused step (RMSprop: foreach): Adam 1.10x, 1.02x,
+# 1.00x; AdamW 1.12x, 1.05x, 1.00x; SGD 1.18x, 1.08x, 1.08x; RMSprop 0.34x, 0.33x, 0.32x. The
+# first fused step, with an empty compile cache: AdamW with amsgrad (the largest kernel) 11.0 s
+# with two and 13.4 s with eight; Adam 10.7-11.3 s with two, 12.2-13.3 s with eight, 16.1 s
+# with sixteen.
+PARAMETERS_PER_CALL = 8
 
 _each: dict[Callable[..., None], Callable[..., None]] = {}
 

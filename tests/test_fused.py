@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import math
 import os
 import subprocess
 import sys
@@ -251,11 +252,16 @@ def test_large_parameters_share_compiled_calls_and_match_the_default_path(
 ):
     """Dense ones by PARAMETERS_PER_CALL (the last call padded); one not dense on its own."""
     kwargs = dict(lr=0.01, **OPTIONS[name])
-    shapes = [(30,), (5, 8), (41,), (6, 7), (50,), (4, 12)]
+    per_call = mixedopt._fused.PARAMETERS_PER_CALL
+    # One call's worth of dense parameters and one more (sizes 30, 31, ...), one of them
+    # column-major, then one that is not dense.
+    dense = [(30 + i,) for i in range(per_call + 1)]
+    dense[1] = (5, 8)
+    shapes = [*dense, (4, 12)]
     twins = Twins(name, kwargs, shapes, seed=2, reference=unfused(name), fused=True)
     for p in (twins.params[1], twins.ref_params[1]):
         p.data = p.data.t().contiguous().t()  # dense, column-major
-    for p in (twins.params[5], twins.ref_params[5]):
+    for p in (twins.params[-1], twins.ref_params[-1]):
         p.data = torch.zeros(4, 24)[:, ::2].copy_(p.data)  # not dense
     for step, magnitude in enumerate((-3, 0, -7, 2)):
         if step == 2:  # the first fused step (the second) has compiled
@@ -265,8 +271,10 @@ def test_large_parameters_share_compiled_calls_and_match_the_default_path(
         twins.ref.step()
         twins.assert_equal(scale_ulps=8)
         twins.zero_grad()
-    assert mixedopt._fused.PARAMETERS_PER_CALL == 2
-    assert calls == [torch.Size([4, 12]), [30, 40], [41, 42], [50, 2]] * 2
+    sizes = [math.prod(shape) for shape in dense]
+    padding = [2] * (per_call - 1)  # scratch parameters of 2 elements
+    one_step = [torch.Size([4, 12]), sizes[:per_call], [sizes[per_call], *padding]]
+    assert calls == one_step * 2
 
 
 def test_the_number_of_compiled_graphs_does_not_grow_with_the_number_of_parameters():
