@@ -189,13 +189,19 @@ def sgd_kernel(
 
 
 def flat_alias(t: Tensor) -> Tensor:
-    """A 1-D tensor on the memory of ``t`` (contiguous) that is not a view of it.
+    """A 1-D tensor on the memory of ``t`` (contiguous): not a view, and at storage offset 0.
 
-    Compiled code guards on the shape of a view's base: views of parameters of different ranks
-    would each compile again. These aliases compile once for every parameter.
+    Compiled code guards on the shape of a view's base, and on whether a storage offset is 0
+    (dynamic shapes specialise 0 and 1): views of parameters of different ranks, or gradients
+    that start a buffer next to gradients that do not (the rows of a bucket), would each compile
+    again, up to 2 ** PARAMETERS_PER_CALL variants of one call. These aliases compile once for
+    every parameter. A tensor that does not start its storage gets one of its own, starting
+    where it does, through DLPack (which keeps ``t``'s memory alive).
     """
-    alias = torch.empty(0, dtype=t.dtype, device=t.device)
-    return alias.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
+    if t.storage_offset() == 0:
+        alias = torch.empty(0, dtype=t.dtype, device=t.device)
+        return alias.set_(t.untyped_storage(), 0, (t.numel(),), (1,))
+    return torch.from_dlpack(t.detach().view(-1))
 
 
 def scalars(*values: float | Tensor) -> list[Tensor]:
@@ -254,16 +260,21 @@ _over_limit: set[Callable[..., None]] = set()  # warned about
 def recompiles_allowed() -> Iterator[None]:
     """The context ``run`` calls must be made in: dynamo's recompile limit at ``RECOMPILE_LIMIT``.
 
-    Entered once around a step's calls, not per call: patching the config costs tens of
-    microseconds, more than some calls. Sizes that happen to be equal when a kernel compiles
-    are not taken to be equal for good (no "duck" shapes): ``run_each``'s parameters have
-    unrelated sizes, which would otherwise compile again the first time they differ.
+    Entered once around a step's calls, not per call. Sizes that happen to be equal when a
+    kernel compiles are not taken to be equal for good (no "duck" shapes): ``run_each``'s
+    parameters have unrelated sizes, which would otherwise compile again the first time they
+    differ. The two settings are set and restored as ``config.patch()`` does (the values are
+    context-local), without its machinery: ``patch()`` cost about 36 us here warm, and several
+    times that in a step, after the kernels' passes have emptied the caches.
     """
-    with (
-        torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT),
-        torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
-    ):
+    dynamo = torch._dynamo.config
+    fx = torch.fx.experimental._config  # type: ignore[attr-defined]
+    saved = dynamo.recompile_limit, fx.use_duck_shape
+    dynamo.recompile_limit, fx.use_duck_shape = RECOMPILE_LIMIT, False
+    try:
         yield
+    finally:
+        dynamo.recompile_limit, fx.use_duck_shape = saved
 
 
 # Large parameters updated by one compiled call of ``run_each``. Fewer are padded with scratch

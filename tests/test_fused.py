@@ -292,6 +292,31 @@ def test_the_number_of_compiled_graphs_does_not_grow_with_the_number_of_paramete
     assert counts[1] == 0  # the layout compiled for 4 parameters serves 80
 
 
+def test_large_gradients_inside_a_larger_buffer_or_of_their_own_share_one_compiled_graph(
+    small_packs,
+):
+    """Gradients that start their memory or not (rows of a bucket) take one compiled layout.
+
+    Dynamic shapes specialise a storage offset of 0: without aliases that start at offset 0,
+    each mix of the two in one call would compile again.
+    """
+    params = [nn.Parameter(torch.randn(30)) for _ in range(3)]
+    opt = mixedopt.SGD(params, lr=0.01, fused=True)
+    counts = []
+    # Which parameter's gradient is a view of a larger buffer (of another rank each time),
+    # the others having tensors of their own; None: no view.
+    for viewed, shape in [(0, (100,)), (1, (10, 10)), (None, ()), (2, (2, 5, 10))]:
+        before = graphs_compiled()
+        for i, p in enumerate(params):
+            if i == viewed:
+                p.grad = torch.randn(shape).half().view(-1)[10:40]
+            else:
+                p.grad = torch.randn(30).half()
+        opt.step()
+        counts.append(graphs_compiled() - before)
+    assert counts[1:] == [0, 0, 0]
+
+
 @pytest.mark.parametrize(
     "name, kwargs",
     [
