@@ -196,12 +196,16 @@ def flat_alias(t: Tensor) -> Tensor:
     that start a buffer next to gradients that do not (the rows of a bucket), would each compile
     again, up to 2 ** PARAMETERS_PER_CALL variants of one call. These aliases compile once for
     every parameter. A tensor that does not start its storage gets one of its own, starting
-    where it does, through DLPack (which keeps ``t``'s memory alive).
+    where it does, through DLPack (which keeps ``t``'s memory alive); on a device DLPack does
+    not support, an alias at ``t``'s offset, which may compile another variant.
     """
-    if t.storage_offset() == 0:
-        alias = torch.empty(0, dtype=t.dtype, device=t.device)
-        return alias.set_(t.untyped_storage(), 0, (t.numel(),), (1,))
-    return torch.from_dlpack(t.detach().view(-1))
+    if t.storage_offset() != 0:
+        try:
+            return torch.from_dlpack(t.detach().view(-1))
+        except (BufferError, RuntimeError, TypeError):
+            pass
+    alias = torch.empty(0, dtype=t.dtype, device=t.device)
+    return alias.set_(t.untyped_storage(), t.storage_offset(), (t.numel(),), (1,))
 
 
 def scalars(*values: float | Tensor) -> list[Tensor]:

@@ -317,6 +317,24 @@ def test_large_gradients_inside_a_larger_buffer_or_of_their_own_share_one_compil
     assert counts[1:] == [0, 0, 0]
 
 
+def test_flat_alias_starts_at_offset_0_and_falls_back_to_the_offset_where_dlpack_refuses(
+    monkeypatch,
+):
+    backing = torch.zeros(100)
+    view = backing[10:40]
+    alias = mixedopt._fused.flat_alias(view)
+    assert (alias.storage_offset(), alias.data_ptr()) == (0, view.data_ptr())
+
+    def refused(tensor):
+        raise BufferError("no DLPack here")
+
+    monkeypatch.setattr(torch, "from_dlpack", refused)
+    alias = mixedopt._fused.flat_alias(view)
+    assert (alias.storage_offset(), alias.data_ptr()) == (10, view.data_ptr())
+    alias.fill_(1)  # either way, the alias is the tensor's memory
+    assert backing[10:40].eq(1).all() and backing[:10].eq(0).all() and backing[40:].eq(0).all()
+
+
 @pytest.mark.parametrize(
     "name, kwargs",
     [
