@@ -636,6 +636,35 @@ def test_fused_step_on_cuda_matches_the_default_path(name):
 
 @needs_cuda
 @pytest.mark.parametrize("name", OPTIMIZERS)
+def test_fused_step_on_cuda_of_large_parameters_in_one_bucket_compiles_one_graph(name, monkeypatch):
+    """Their gradients are rows of one bucket, at offset 0 and beyond, over two calls.
+
+    On an accelerator backward buckets gradients larger than the kernels' packing limit (here
+    100 elements): the two calls of nine parameters see different mixes of offsets, which
+    compiled a graph each before the aliases started at offset 0.
+    """
+    monkeypatch.setattr(mixedopt._packing, "ACCELERATOR_FUSED_SMALL", 100)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    data = [torch.randn(n, device="cuda") for n in range(300, 1200, 100)]
+    params, reference, opt, ref = fused_and_default(name, data, lr=0.01)
+    before = graphs_compiled()
+    for _ in range(4):
+        grads = [torch.randn(p.shape, device="cuda") * 1e-3 for p in params]
+        sum((p * g).sum() for p, g in zip(params, grads, strict=True)).backward()
+        sum((q * g).sum() for q, g in zip(reference, grads, strict=True)).backward()
+        assert any(p.grad.storage_offset() != 0 for p in params)  # rows of a bucket
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+    assert graphs_compiled() - before == 1
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fused_step_of_a_group_on_cpu_and_cuda_matches_the_default_path(name):
     torch.manual_seed(0)
     data = [torch.randn(n, device=d) for n, d in [(40, "cuda"), (30, "cpu"), (20, "cuda")]]
