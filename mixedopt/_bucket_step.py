@@ -6,8 +6,9 @@ bound on the true gradient per row). When every gradient of a bucket belongs to 
 optimizer, is still that view, unchanged, and its parameter has its state, ``step()`` needs
 nothing per parameter but its state: the bucket's factors are a column of its stats table,
 its inf/NaN check another, its rows are upcast and unscaled with one multiplication into a
-float32 buffer of the same layout, and its views go to the parent's functional update, per
-parameter group. That is ``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``).
+float32 buffer of the same layout (bfloat16 rows without a loss scale are only copied: they
+hold true values), and its views go to the parent's functional update, per parameter group.
+That is ``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``).
 
 Everything else takes the reference path (``EntrySteps`` of ``_entry_step.py``: ``_entries``
 and ``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
@@ -157,8 +158,13 @@ class BucketSteps:
         keys = [self._state_keys(group) for group in groups]
         for bucket in buckets:
             device = bucket.stored.device
-            scales = bucket.stats[:, 0].to(device)
-            factors = scales.reciprocal() if unscale is None else unscale.to(device) / scales
+            # A bfloat16 bucket holds true values (storage scale 1, ``_storage_scales``): with
+            # no loss scale either, there is nothing to multiply by.
+            factors = None
+            if unscale is not None:
+                factors = unscale.to(device) / bucket.stats[:, 0].to(device)
+            elif bucket.stored.dtype != torch.bfloat16:
+                factors = bucket.stats[:, 0].to(device).reciprocal()
             grads = upcast_stored(
                 self._workspace, bucket.stored, bucket.layout, bucket.runs, factors
             )

@@ -187,18 +187,23 @@ def _upcast_one(workspace: Workspace, param: Tensor, grad: Tensor, factor: Tenso
 
 
 def upcast_stored(
-    workspace: Workspace, stored: Tensor, layout: RowLayout, runs: ViewRuns, factors: Tensor
+    workspace: Workspace,
+    stored: Tensor,
+    layout: RowLayout,
+    runs: ViewRuns,
+    factors: Tensor | None,
 ) -> list[Tensor]:
     """Float32 ``grad * factor`` of each gradient of a stored bucket (``factors`` one each).
 
     Views of the workspace's float32 buffer in the bucket's layout, written from its 16-bit
-    rows.
+    rows. ``factors=None``: every factor is 1, and the copy is all.
     """
-    rows, grads = workspace.run_views("grad", torch.float32, layout, runs, factors.device)
+    rows, grads = workspace.run_views("grad", torch.float32, layout, runs, stored.device)
     # A copy, then a float32 multiplication: faster on a CPU than one multiplication from
     # 16-bit inputs, which does not vectorise there.
     rows.copy_(stored.view(layout.rows, ROW))
-    rows.mul_(layout.per_row(factors))
+    if factors is not None:
+        rows.mul_(layout.per_row(factors))
     return grads
 
 

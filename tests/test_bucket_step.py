@@ -14,6 +14,7 @@ from helpers import OPTIMIZERS, SHAPES, hyperparameters
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
 import mixedopt._packing
@@ -174,6 +175,35 @@ def test_a_stored_inf_gradient_skips_the_whole_bucket_step():
     for p, w, b in zip(params, weights, buffers, strict=True):
         assert torch.equal(p, w)
         assert torch.equal(opt.state[p]["momentum_buffer"], b)
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the aten operations dispatched under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16])
+def test_a_bfloat16_bucket_is_upcast_without_multiplying_by_its_storage_scales(grad_dtype):
+    """bfloat16 stores true values (scale 1): with no loss scale, the upcast is a copy alone."""
+    params = params_of([(3, 4), (5,)], 0)
+    opt = mixedopt.SGD(params, lr=0.1, momentum=0.9, grad_dtype=grad_dtype)
+    backward(params, 0)
+    opt.step()  # the reference path: it creates the state
+    opt.zero_grad()
+    backward(params, 1)
+    assert len(opt._take_whole_buckets()[0]) == 1
+    with _Ops() as ops:
+        opt.step()
+    unscaling = [name for name in ops.names if name in ("aten.take.default", "aten.mul_.Tensor")]
+    expected = ["aten.take.default", "aten.mul_.Tensor"]  # a factor per row, then multiplied
+    assert unscaling == ([] if grad_dtype == torch.bfloat16 else expected)
 
 
 def test_a_bucket_shared_with_another_optimizer_takes_the_reference_path():
