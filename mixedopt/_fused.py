@@ -197,8 +197,12 @@ def flat_alias(t: Tensor) -> Tensor:
     again, up to 2 ** PARAMETERS_PER_CALL variants of one call. These aliases compile once for
     every parameter. A tensor that does not start its storage gets one of its own, starting
     where it does, through DLPack (which keeps ``t``'s memory alive); on a device DLPack does
-    not support, an alias at ``t``'s offset, which may compile another variant.
+    not support, an alias at ``t``'s offset, which may compile another variant. A tensor that
+    is such a tensor already (a gradient stored alone) is returned as it is, unless it requires
+    grad: compiled code must not see a parameter, whose ``.grad`` is 16-bit.
     """
+    if t.dim() == 1 and t.storage_offset() == 0 and t._base is None and not t.requires_grad:
+        return t
     if t.storage_offset() != 0:
         try:
             return torch.from_dlpack(t.detach().view(-1))

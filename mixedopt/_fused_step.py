@@ -52,11 +52,7 @@ def _large_tensors(
         and not is_dtensor(entry.param)
     ):
         param, *states = _aliases(entry.param, tensors, workspace)
-        grad = entry.grad
-        # A gradient stored alone is already what flat_alias makes where its parameter is 1-D.
-        if grad.dim() != 1 or grad._base is not None or grad.storage_offset() != 0:
-            grad = _fused.flat_alias(grad)
-        return param, grad, states
+        return param, _fused.flat_alias(entry.grad), states
     param, grad = local(entry.param), local(entry.grad)
     states = [local(entry.state[key]) for key in keys]
     order = dense_order(param)

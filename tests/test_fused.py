@@ -324,6 +324,9 @@ def test_flat_alias_starts_at_offset_0_and_falls_back_to_the_offset_where_dlpack
     view = backing[10:40]
     alias = mixedopt._fused.flat_alias(view)
     assert (alias.storage_offset(), alias.data_ptr()) == (0, view.data_ptr())
+    assert mixedopt._fused.flat_alias(backing) is backing  # such a tensor already
+    param = nn.Parameter(torch.zeros(10))
+    assert mixedopt._fused.flat_alias(param) is not param  # compiled code sees no parameter
 
     def refused(tensor):
         raise BufferError("no DLPack here")
