@@ -72,13 +72,28 @@ class Budget:
 
 
 def budget(device: torch.device) -> Budget:
-    """The packing budget of ``device`` (read at call time, so that tests can change it)."""
+    """The packing budget of ``device`` (read at call time, so that tests can change it).
+
+    Kept per value of the module's limits: backward asks for it once per gradient stored alone.
+    """
     if device.type == "cpu":
-        small = min(CPU_SMALL, CPU_CAPACITY)
-        return Budget(CPU_CAPACITY, small, small, min(CPU_PIECE, CPU_CAPACITY))
-    # Launches dominate: backward buckets whatever fits.
-    capacity = ACCELERATOR_CAPACITY
-    return Budget(capacity, capacity, min(ACCELERATOR_FUSED_SMALL, capacity), capacity)
+        key: tuple[Any, ...] = ("cpu", CPU_CAPACITY, CPU_SMALL, CPU_PIECE)
+    else:
+        key = ("accelerator", ACCELERATOR_CAPACITY, ACCELERATOR_FUSED_SMALL)
+    found = _budgets.get(key)
+    if found is None:
+        if device.type == "cpu":
+            small = min(CPU_SMALL, CPU_CAPACITY)
+            found = Budget(CPU_CAPACITY, small, small, min(CPU_PIECE, CPU_CAPACITY))
+        else:
+            # Launches dominate: backward buckets whatever fits.
+            capacity = ACCELERATOR_CAPACITY
+            found = Budget(capacity, capacity, min(ACCELERATOR_FUSED_SMALL, capacity), capacity)
+        _budgets[key] = found
+    return found
+
+
+_budgets: dict[tuple[Any, ...], Budget] = {}
 
 
 def rows_for(numel: int) -> int:

@@ -160,20 +160,29 @@ class StorageScales:
         """``stored = true * scale``, computed in float32 and rounded to ``stored``'s dtype.
 
         On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
-        whole gradient first: fresh memory, whose pages the system maps at the first write.
-        There a dense gradient is scaled in pieces through the staging buffer instead (which
-        the next bucket zeroes again), each piece a vectorised multiplication and a rounding
-        copy, small enough (``SCRATCH_PIECE``) to stay in a core's cache between the two.
+        whole gradient first. For a gradient of up to ``SCRATCH_PIECE`` elements that temporary
+        is small and comes back warm from the allocator, and one multiplication is the fastest
+        (measured on 40K elements: 8 us, against 16 us through the staging buffer). A larger
+        one's temporary is fresh memory, whose pages the system maps at the first write: there a
+        dense gradient is scaled in pieces through the staging buffer instead (which the next
+        bucket zeroes again), each piece a vectorised multiplication and a rounding copy, small
+        enough to stay in a core's cache between the two. Both round the same float32 products.
         """
-        order = dense_order(stored) if true.device.type == "cpu" and true.numel() else None
+        numel = true.numel()
+        size = SCRATCH_PIECE
+        if true.device.type == "cpu":
+            size = min(size, _packing.budget(true.device).capacity)
+        if true.device.type != "cpu" or numel <= size:
+            torch.mul(true, scale, out=stored)  # one pass
+            return
+        order = dense_order(stored)
         flat_stored = None if order is None else flat_view(stored, order)
         flat_true = None if order is None else flat_view(true, order)
         if flat_stored is None or flat_true is None:
-            torch.mul(true, scale, out=stored)  # one pass
+            torch.mul(true, scale, out=stored)
             return
-        size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
-        scratch = self._scratch(true.device, min(size, flat_true.numel()))
-        for start in range(0, flat_true.numel(), size):
+        scratch = self._scratch(true.device, size)
+        for start in range(0, numel, size):
             piece = flat_true[start : start + size]
             part = scratch[: piece.numel()]
             torch.mul(piece, scale, out=part)

@@ -178,6 +178,7 @@ class GradientStorage(BucketStores, StorageScales):
         self.grad_dtype = grad_dtype
         self._slots: dict[int, _Slot] = {}
         self._unchecked: list[_Slot] = []  # not looked up yet for a distributed engine
+        self._engines_looked_up_in = -2  # the backward (graph task) that last looked them up
         self._buckets: dict[torch.device, _Bucket] = {}
         # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
         self._staging: dict[torch.device, Tensor] = {}
@@ -305,8 +306,11 @@ class GradientStorage(BucketStores, StorageScales):
         """
         param = slot.param
         previous = param.grad
-        if self._unchecked:
-            self._leave_to_engines()
+        if self._unchecked:  # looked for once per backward (a process group comes before it)
+            task = torch._C._current_graph_task_id()
+            if task != self._engines_looked_up_in:
+                self._engines_looked_up_in = task
+                self._leave_to_engines()
         if (
             slot.engine_owned
             or incoming is None
@@ -316,7 +320,7 @@ class GradientStorage(BucketStores, StorageScales):
             return None  # autograd stores it
         device = incoming.device
         bucket = self._buckets.get(device)
-        if bucket is None or bucket.limits != _packing.budget(device):
+        if bucket is None or bucket.limits is not _packing.budget(device):
             if bucket is not None:  # the budget was changed (tests do): a bucket for it
                 self._store_bucket(bucket)
             bucket = self._buckets[device] = _Bucket(device)

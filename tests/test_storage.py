@@ -388,3 +388,32 @@ def test_the_scale_found_on_the_host_is_the_scale_found_on_the_device(values):
         torch.tensor(on_host, dtype=torch.float32), on_device, rtol=0, atol=0, equal_nan=True
     )
     assert power_of_two_scale_on_host(on_host) == power_of_two_scale(on_device).item()
+
+
+@pytest.mark.parametrize(
+    "shape,memory_format", [((40_000,), None), ((8, 5, 25, 40), torch.channels_last)]
+)
+def test_a_gradient_stored_alone_is_the_same_scaled_at_once_or_in_pieces(
+    monkeypatch, shape, memory_format
+):
+    """A gradient above the bucket limit is scaled in one multiplication up to
+    ``SCRATCH_PIECE`` elements and in pieces above: both hold ``true * scale`` rounded once."""
+    generator = torch.Generator().manual_seed(0)
+    g = torch.randn(shape, generator=generator) * 10.0 ** torch.randint(
+        -8, 4, shape, generator=generator
+    )
+    stored = {}
+    for piece in (1 << 18, 1000):  # 40,000 elements: at once, then in 40 pieces
+        monkeypatch.setattr(mixedopt._scales, "SCRATCH_PIECE", piece)
+        data = torch.zeros(shape)
+        if memory_format is not None:
+            data = data.contiguous(memory_format=memory_format)
+        p = nn.Parameter(data)
+        opt = mixedopt.SGD([p], lr=0.1)
+        (p * g).sum().backward()
+        scale = opt._grad_storage.scale_of(p)
+        assert p.grad.numel() > mixedopt._packing.budget(p.device).bucket_small  # stored alone
+        assert p.grad.stride() == p.stride()
+        torch.testing.assert_close(p.grad, (g * scale).half(), rtol=0, atol=0)
+        stored[piece] = p.grad
+    assert torch.equal(stored[1 << 18], stored[1000])
