@@ -16,7 +16,9 @@ Two measurements, side by side with torch.optim:
   them alike. Ratios are mixedopt's time over torch.optim's: lower is faster.
 
 ``python -m mixedopt.bench`` prints both (``--no-small`` leaves them out);
-``python -m mixedopt.bench_small [--repeat N]`` prints them alone.
+``python -m mixedopt.bench_small [--repeat N] [--layers N] [--width N]`` prints them alone (a
+width above 181 on a CPU makes each weight larger than a bucket takes: the regime of gradients
+stored alone, just above that limit).
 """
 
 from __future__ import annotations
@@ -179,8 +181,14 @@ def iteration_times(
     return result
 
 
-def report(repeat: int = 50, device: str = "cpu") -> tuple[str, dict[str, Any]]:
-    """The regime's tables as text, and their figures."""
+def report(
+    repeat: int = 50, device: str = "cpu", layers: int = 64, width: int = 64
+) -> tuple[str, dict[str, Any]]:
+    """The regime's tables as text, and their figures.
+
+    The iterations time ``layers x Linear(width, width)``; the operation counts are always of
+    8 and 64 x ``Linear(32, 32)``.
+    """
     counts: dict[str, dict[str, LibraryCounts]] = {}
     for pair, makers in PAIRS.items():
         if "fused" in pair:
@@ -193,7 +201,10 @@ def report(repeat: int = 50, device: str = "cpu") -> tuple[str, dict[str, Any]]:
                 "128 params": large,
                 "per extra param": per_parameter(small, large, 112),
             }
-    times = {pair: iteration_times(pair, repeat=repeat, device=device) for pair in PAIRS}
+    times = {
+        pair: iteration_times(pair, layers=layers, width=width, repeat=repeat, device=device)
+        for pair in PAIRS
+    }
     lines = [
         "Aten operations dispatched, 8 and 64 x Linear(32, 32) (16 and 128 parameters):",
         "",
@@ -210,8 +221,8 @@ def report(repeat: int = 50, device: str = "cpu") -> tuple[str, dict[str, Any]]:
             )
     lines += [
         "",
-        f"Training iteration of 64 x Linear(64, 64), batch 16, autocast(float16), median of "
-        f"{repeat}, ms (mixedopt / torch.optim):",
+        f"Training iteration of {layers} x Linear({width}, {width}), batch 16, autocast(float16), "
+        f"median of {repeat}, ms (mixedopt / torch.optim):",
         "",
         "| optimizers | iteration | backward | step |",
         "|---|---:|---:|---:|",
@@ -231,9 +242,20 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(
         prog="python -m mixedopt.bench_small",
         description="The many-small-parameters regime alone: operations dispatched per backward "
-        "and per step, and iteration times of 64 x Linear(64, 64), mixedopt next to torch.optim.",
+        "and per step, and iteration times of --layers x Linear(--width, --width) (64 x "
+        "Linear(64, 64) by default), mixedopt next to torch.optim.",
     )
     parser.add_argument("--repeat", type=int, default=100, help="timed iterations (100)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument(
+        "--layers", type=int, default=64, help="Linear layers of the timed model (64)"
+    )
+    parser.add_argument(
+        "--width",
+        type=int,
+        default=64,
+        help="their width (64); above 181 on a CPU each weight is larger than a bucket takes "
+        "(32Ki elements), and its gradient is stored alone",
+    )
     args = parser.parse_args()
-    print(report(repeat=args.repeat, device=args.device)[0])
+    print(report(repeat=args.repeat, device=args.device, layers=args.layers, width=args.width)[0])

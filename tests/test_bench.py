@@ -175,6 +175,20 @@ def test_many_small_parameters_regime_reports_operations_and_times():
         assert pair in text
 
 
+def test_the_small_regime_times_the_model_of_layers_and_width(monkeypatch):
+    timed = []
+
+    def iteration_times(pair, layers, width, repeat, device):
+        timed.append((layers, width))
+        one = {"iteration": 1.0, "backward": 1.0, "step": 1.0}
+        return {"torch": one, "mixedopt": one}
+
+    monkeypatch.setattr(bench_small, "iteration_times", iteration_times)
+    text, _ = bench_small.report(repeat=2, layers=3, width=200)
+    assert timed == [(3, 200)] * len(bench_small.PAIRS)
+    assert "Training iteration of 3 x Linear(200, 200)" in text
+
+
 def _progress_lines(err):
     return [line for line in err.splitlines() if line.startswith("bench: ")]
 
