@@ -22,6 +22,7 @@ copy into, with their views.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -72,28 +73,23 @@ class Budget:
 
 
 def budget(device: torch.device) -> Budget:
-    """The packing budget of ``device`` (read at call time, so that tests can change it).
-
-    Kept per value of the module's limits: backward asks for it once per gradient stored alone.
-    """
+    """The packing budget of ``device`` (read at call time, so that tests can change it)."""
     if device.type == "cpu":
-        key: tuple[Any, ...] = ("cpu", CPU_CAPACITY, CPU_SMALL, CPU_PIECE)
-    else:
-        key = ("accelerator", ACCELERATOR_CAPACITY, ACCELERATOR_FUSED_SMALL)
-    found = _budgets.get(key)
-    if found is None:
-        if device.type == "cpu":
-            small = min(CPU_SMALL, CPU_CAPACITY)
-            found = Budget(CPU_CAPACITY, small, small, min(CPU_PIECE, CPU_CAPACITY))
-        else:
-            # Launches dominate: backward buckets whatever fits.
-            capacity = ACCELERATOR_CAPACITY
-            found = Budget(capacity, capacity, min(ACCELERATOR_FUSED_SMALL, capacity), capacity)
-        _budgets[key] = found
-    return found
+        return _cpu_budget(CPU_CAPACITY, CPU_SMALL, CPU_PIECE)
+    return _accelerator_budget(ACCELERATOR_CAPACITY, ACCELERATOR_FUSED_SMALL)
 
 
-_budgets: dict[tuple[Any, ...], Budget] = {}
+# Kept per value of the limits: backward asks for a budget once per gradient stored alone.
+@functools.cache
+def _cpu_budget(capacity: int, small: int, piece: int) -> Budget:
+    small = min(small, capacity)
+    return Budget(capacity, small, small, min(piece, capacity))
+
+
+@functools.cache
+def _accelerator_budget(capacity: int, fused_small: int) -> Budget:
+    # Launches dominate: backward buckets whatever fits.
+    return Budget(capacity, capacity, min(fused_small, capacity), capacity)
 
 
 def rows_for(numel: int) -> int:

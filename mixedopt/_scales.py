@@ -168,18 +168,13 @@ class StorageScales:
         bucket zeroes again), each piece a vectorised multiplication and a rounding copy, small
         enough to stay in a core's cache between the two. Both round the same float32 products.
         """
+        size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
         numel = true.numel()
-        size = SCRATCH_PIECE
-        if true.device.type == "cpu":
-            size = min(size, _packing.budget(true.device).capacity)
-        if true.device.type != "cpu" or numel <= size:
-            torch.mul(true, scale, out=stored)  # one pass
-            return
-        order = dense_order(stored)
+        order = dense_order(stored) if true.device.type == "cpu" and numel > size else None
         flat_stored = None if order is None else flat_view(stored, order)
         flat_true = None if order is None else flat_view(true, order)
         if flat_stored is None or flat_true is None:
-            torch.mul(true, scale, out=stored)
+            torch.mul(true, scale, out=stored)  # one pass
             return
         scratch = self._scratch(true.device, size)
         for start in range(0, numel, size):
