@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._bucket_store import WholeBucket
+from ._bucket_store import GroupIndex, WholeBucket
 from ._default_step import upcast_stored
 from ._packing import Workspace, budget, dense
 from ._scales import any_non_finite
@@ -44,6 +44,7 @@ class BucketSteps:
     max_grad_norm: float | None
     _grad_storage: GradientStorage
     _workspace: Workspace
+    _group_index: GroupIndex
     _torch_fused: bool
     # The optimizer's own hooks (MixedPrecisionOptimizer and the optimizer files).
     _state_keys: Callable[[dict[str, Any]], list[str]]
@@ -62,7 +63,8 @@ class BucketSteps:
         groups = self.param_groups
         if params is None:
             params = [group["params"] for group in groups]
-        found, left = self._grad_storage.whole_buckets(params)
+        self._group_index.refresh(params)
+        found, left = self._grad_storage.whole_buckets(self._group_index)
         if not found:
             return [], left
         keys = [frozenset(self._state_keys(group)) for group in groups]
@@ -141,10 +143,12 @@ class BucketSteps:
             unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
         if found_inf is not None:  # GradScaler checked every gradient already
             return unscale, found_inf.to(device) > 0
-        bounds = [bucket.stats[:, 1] for bucket in buckets]
-        if len(bounds) > 1:
-            bounds = [torch.cat([bound.to(device) for bound in bounds])]
-        return unscale, any_non_finite(bounds[0])
+        # The whole stats tables, not their bound columns: a storage scale is always finite
+        # (``_scales.power_of_two_scale``), so a non-finite value is a bound's; one operation less.
+        tables = [bucket.stats for bucket in buckets]
+        if len(tables) > 1:
+            tables = [torch.cat([table.to(device) for table in tables])]
+        return unscale, any_non_finite(tables[0])
 
     def _update_buckets(
         self, buckets: list[WholeBucket], unscale: Tensor | None, skip: Tensor | None

@@ -55,6 +55,7 @@ _ref_of_slot = operator.attrgetter("grad_ref")
 _grad_of = operator.attrgetter("grad")
 _is_sparse = operator.attrgetter("is_sparse")
 _stride_of = Tensor.stride  # the unbound method: half the time of methodcaller("stride")
+_is_contiguous = Tensor.is_contiguous
 _call = weakref.ref.__call__
 
 
@@ -110,18 +111,20 @@ class _Bucket:
         """Empty the bucket: its slots, their gradients and what they are added to.
 
         Leaves out a gradient gone from ``p.grad`` (``zero_grad()`` after a backward that
-        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it).
+        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it). The
+        slots it returns stay ``pending`` until their gradients are stored (``_store_bucket``
+        clears it in its loop over them); those it leaves out no longer wait.
         """
         slots, previous = self.slots, self.previous
         self.clear()
-        for slot in slots:
-            slot.pending = False
         grads = list(map(_grad_of_slot, slots))
         # The common case, all there and dense, is checked without a Python step per gradient.
         if all(map(operator.is_not, grads, itertools.repeat(None))) and not any(
             map(_is_sparse, grads)
         ):
             return slots, grads, previous
+        for slot in slots:
+            slot.pending = False
         kept = [i for i, grad in enumerate(grads) if grad is not None and not grad.is_sparse]
         return (
             [slots[i] for i in kept],
@@ -135,9 +138,9 @@ class _BucketPlan:
 
     __slots__ = ("layout", "runs", "param_strides", "generation", "staging_views")
 
-    def __init__(self, layout: RowLayout, runs: ViewRuns, param_strides: list[Any]) -> None:
+    def __init__(self, layout: RowLayout, runs: ViewRuns, param_strides: list[Any] | None) -> None:
         self.layout = layout
-        # The parameters' strides it was made for: new memory (``p.data = ...``) needs a new one.
+        # The parameters' strides it was made for (``None``: all of them contiguous).
         self.param_strides = param_strides
         self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
         self.generation = -1  # of the staging buffer the views below are of
@@ -178,6 +181,63 @@ class WholeBucket:
         self.layout: RowLayout = plan.layout
         self.runs: ViewRuns = plan.runs
         self.states: list[Any] = []  # the optimizer's state of each parameter (step())
+
+
+class GroupIndex:
+    """The parameter group of each parameter of an optimizer, kept between steps.
+
+    ``whole_buckets`` needs the group of every gradient of a bucket, each step. A training
+    loop's groups hold the same parameters step after step, so the groups of a bucket's rows
+    (one list per ``_BucketPlan``) are kept while they do; ``refresh`` checks that with a pass
+    in C over each group, and starts again from the groups when they changed.
+    """
+
+    def __init__(self) -> None:
+        self._groups: list[list[Tensor]] = []
+        self._group_of: dict[int, int] = {}  # id(parameter) -> index of its group
+        # id(plan) -> (plan, the group of each of its rows; None: one is in no group)
+        self._indices: dict[int, tuple[_BucketPlan, list[int] | None]] = {}
+
+    def refresh(self, groups: list[list[Tensor]]) -> None:
+        """Index ``groups`` (a list of parameters per group), unless they are the ones indexed."""
+        known = self._groups
+        if len(groups) == len(known) and all(
+            len(params) == len(before) and all(map(operator.is_, params, before))
+            for params, before in zip(groups, known, strict=True)
+        ):
+            return
+        self._groups = [list(params) for params in groups]
+        self._group_of = {}
+        for index, params in enumerate(groups):
+            self._group_of.update(zip(map(id, params), itertools.repeat(index)))
+        self._indices = {}
+
+    @property
+    def count(self) -> int:
+        """How many parameters the groups hold."""
+        return len(self._group_of)
+
+    def with_grad(self) -> int:
+        """How many parameters of the groups have a gradient."""
+        return sum(
+            sum(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
+            for params in self._groups
+        )
+
+    def indices(self, plan: _BucketPlan, params: list[Tensor]) -> list[int] | None:
+        """The group of each of ``params`` (``plan``'s rows); None where one is in no group."""
+        found = self._indices.get(id(plan))
+        if found is not None and found[0] is plan:
+            return found[1]
+        group_of = self._group_of
+        ids = list(map(id, params))
+        indices = (
+            list(map(group_of.__getitem__, ids)) if all(map(group_of.__contains__, ids)) else None
+        )
+        if len(self._indices) >= 64:
+            self._indices.clear()
+        self._indices[id(plan)] = (plan, indices)
+        return indices
 
 
 class BucketStores:
@@ -241,6 +301,7 @@ class BucketStores:
             slot.param.grad = grad
             slot.grad_ref = reference(grad)
             slot.grad_version, slot.stats, slot.row = version, stats, row
+            slot.pending = False
         if self._consumed:
             self._hand_over(slots)
 
@@ -265,7 +326,7 @@ class BucketStores:
         stored = record.stored()
         return None if stored is None else (stored, record.plan.layout, record.plan.runs)
 
-    def whole_buckets(self, groups: list[list[Tensor]]) -> tuple[list[WholeBucket], int]:
+    def whole_buckets(self, groups: GroupIndex) -> tuple[list[WholeBucket], int]:
         """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.
 
         Only buckets whose gradients are all still the views this storage wrote, unchanged
@@ -275,15 +336,8 @@ class BucketStores:
         over attribute getters), not a Python step per parameter: ``step()`` takes the
         buckets from here without looking each parameter up again.
         """
-        with_grad = sum(
-            sum(map(operator.is_not, map(_grad_of, params), itertools.repeat(None)))
-            for params in groups
-        )
-        if not with_grad or not self._stored:
-            return [], with_grad
-        group_of: dict[int, int] = {}
-        for index, params in enumerate(groups):
-            group_of.update(zip(map(id, params), itertools.repeat(index)))
+        if not self._stored:
+            return [], groups.with_grad()
         whole = []
         taken = 0
         for record in list(self._stored.values()):
@@ -291,34 +345,44 @@ class BucketStores:
             if stats is None or stored is None or stored._version != record.version:
                 continue
             params = list(map(_param_of_slot, slots))
-            ids = list(map(id, params))
+            indices = groups.indices(record.plan, params)
             if not (
                 # every parameter is of ``groups``, last stored in this bucket, and its .grad
                 # is still the view written there
-                all(map(group_of.__contains__, ids))
+                indices is not None
                 and all(map(operator.is_, map(_stats_of_slot, slots), itertools.repeat(stats)))
                 and all(
                     map(operator.is_, map(_grad_of, params), map(_call, map(_ref_of_slot, slots)))
                 )
             ):
                 continue
-            indices = list(map(group_of.__getitem__, ids))
             whole.append(WholeBucket(stats, params, indices, stored, record.plan))
             taken += len(params)
-        return whole, with_grad - taken
+        if taken == groups.count:  # every parameter's gradient is in a whole bucket
+            return whole, 0
+        return whole, groups.with_grad() - taken
 
     def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
         """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
         key = (device, tuple(map(id, slots)))
         plan = self._plans.get(key)
-        param_strides = list(map(_stride_of, map(_param_of_slot, slots)))
-        if plan is None or plan.param_strides != param_strides:
-            if len(self._plans) >= 16:
-                self._plans.clear()
-            strides = [slot.grad_strides() for slot in slots]
-            layout = self._layouts.get([slot.param.numel() for slot in slots], device)
-            runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
-            plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
+        params = list(map(_param_of_slot, slots))
+        # Made for the parameters' memory as it was: new memory (``p.data = ...``) needs a new
+        # plan. Contiguous parameters that still are (the common case) are checked without
+        # reading their strides.
+        if plan is not None and (
+            all(map(_is_contiguous, params))
+            if plan.param_strides is None
+            else plan.param_strides == list(map(_stride_of, params))
+        ):
+            return plan
+        if len(self._plans) >= 16:
+            self._plans.clear()
+        strides = [slot.grad_strides() for slot in slots]
+        layout = self._layouts.get([slot.param.numel() for slot in slots], device)
+        runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
+        param_strides = None if all(map(_is_contiguous, params)) else list(map(_stride_of, params))
+        plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
         return plan
 
     def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:

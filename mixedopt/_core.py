@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from ._bucket_step import BucketSteps
+from ._bucket_store import GroupIndex
 from ._distributed import is_dtensor
 from ._entry_step import EntrySteps, _user_stacklevel
 from ._fused_step import FusedSteps
@@ -123,6 +124,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
         self._workspace = Workspace()  # buffers gradients are upcast and parameters packed into
+        self._group_index = GroupIndex()  # the group of each parameter, for whole buckets
         self._grad_storage = GradientStorage.shared(grad_dtype)
         self._held_params: set[int] = set()  # ids of the parameters this optimizer holds
         # The storage does not reference the optimizer: its parameters are let go when it dies.

@@ -237,8 +237,10 @@ class ViewRuns:
         members: dict[tuple[torch.Size, tuple[int, ...]], list[tuple[int, int]]] = {}
         for i, key in enumerate(zip(shapes, strides, strict=True)):
             members.setdefault(key, []).append((offsets[i], i))
-        # (positions, shape, strides, first offset, spacing) of each run.
-        self.runs: list[tuple[list[int], torch.Size, tuple[int, ...], int, int]] = []
+        # (where, count, shape, strides, first offset, spacing) of each run. ``where``: the
+        # positions of its tensors, a slice where they are evenly spaced too (a weight every
+        # other gradient, say), which puts the run's views in place with one assignment, in C.
+        self.runs: list[tuple[list[int] | slice, int, torch.Size, tuple[int, ...], int, int]] = []
         for (shape, stride), found in members.items():
             run = [found[0]]
             for offset, i in found[1:]:
@@ -251,21 +253,29 @@ class ViewRuns:
 
     def _add(self, run: list[tuple[int, int]], shape: torch.Size, strides: tuple[int, ...]) -> None:
         spacing = run[1][0] - run[0][0] if len(run) > 1 else 0
-        self.runs.append(([i for _, i in run], shape, strides, run[0][0], spacing))
+        positions = [i for _, i in run]
+        where: list[int] | slice = positions
+        if len(positions) > 1:
+            first, step = positions[0], positions[1] - positions[0]
+            if positions == list(range(first, positions[-1] + 1, step)):
+                where = slice(first, positions[-1] + 1, step)
+        self.runs.append((where, len(positions), shape, strides, run[0][0], spacing))
 
     def views(self, buffer: Tensor) -> list[Tensor]:
         """The tensors' views of ``buffer``, in the order they were given."""
         found: list[Any] = [None] * self.count
         start = buffer.storage_offset()
-        for positions, shape, strides, offset, spacing in self.runs:
-            if len(positions) == 1:
-                found[positions[0]] = buffer.as_strided(shape, strides, start + offset)
-                continue
-            stacked = buffer.as_strided(
-                (len(positions), *shape), (spacing, *strides), start + offset
-            )
-            for position, view in zip(positions, stacked.unbind(0), strict=True):
-                found[position] = view
+        for where, count, shape, strides, offset, spacing in self.runs:
+            if isinstance(where, slice):
+                found[where] = buffer.as_strided(
+                    (count, *shape), (spacing, *strides), start + offset
+                ).unbind(0)
+            elif count == 1:
+                found[where[0]] = buffer.as_strided(shape, strides, start + offset)
+            else:
+                stacked = buffer.as_strided((count, *shape), (spacing, *strides), start + offset)
+                for position, view in zip(where, stacked.unbind(0), strict=True):
+                    found[position] = view
         return found
 
 

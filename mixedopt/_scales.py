@@ -46,7 +46,8 @@ def power_of_two_scale(amax: Tensor) -> Tensor:
     """Return ``2**k`` with ``amax * 2**k`` in ``[2**7, 2**8)`` (``2**8`` for a zero ``amax``).
 
     Elementwise, for one or many tensors. A non-finite ``amax`` gives a scale that keeps the
-    stored tensor non-finite, so that ``step()`` sees it.
+    stored tensor non-finite, so that ``step()`` sees it; the scale itself is always finite
+    (``step()`` checks a whole stats table for inf and NaN, scales and bounds at once).
     """
     _, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
     k = (_TARGET_EXPONENT - exponent).clamp_(-_MAX_SCALE_EXPONENT, _MAX_SCALE_EXPONENT)

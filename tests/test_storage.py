@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import math
 import weakref
 
 import pytest
@@ -388,6 +389,17 @@ def test_the_scale_found_on_the_host_is_the_scale_found_on_the_device(values):
         torch.tensor(on_host, dtype=torch.float32), on_device, rtol=0, atol=0, equal_nan=True
     )
     assert power_of_two_scale_on_host(on_host) == power_of_two_scale(on_device).item()
+
+
+@given(values=st.lists(FLOAT32, min_size=1, max_size=6))
+def test_a_storage_scale_is_finite_whatever_the_gradient(values):
+    """step() looks for inf and NaN in whole stats tables, scales included: only a bound may
+    make them non-finite."""
+    from mixedopt._scales import abs_max, power_of_two_scale, power_of_two_scale_on_host
+
+    amax = abs_max(torch.tensor(values, dtype=torch.float32))
+    assert power_of_two_scale(amax).isfinite().item()
+    assert math.isfinite(power_of_two_scale_on_host(amax.item()))
 
 
 @pytest.mark.parametrize(
