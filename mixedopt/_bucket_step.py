@@ -164,13 +164,13 @@ class BucketSteps:
             device = bucket.stored.device
             # A bfloat16 bucket holds true values (storage scale 1, ``_storage_scales``): with
             # no loss scale either, there is nothing to multiply by.
-            factors = None
+            factors, stats = None, None
             if unscale is not None:
                 factors = unscale.to(device) / bucket.stats[:, 0].to(device)
             elif bucket.stored.dtype != torch.bfloat16:
-                factors = bucket.stats[:, 0].to(device).reciprocal()
+                stats = bucket.stats  # divided by the storage scales
             grads = upcast_stored(
-                self._workspace, bucket.stored, bucket.layout, bucket.runs, factors
+                self._workspace, bucket.stored, bucket.layout, bucket.runs, factors, stats
             )
             for index, params, group_grads, states in self._by_group(bucket, grads):
                 group = groups[index]

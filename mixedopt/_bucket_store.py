@@ -285,12 +285,11 @@ class BucketStores:
         # rather than abs(): no temporary of the bucket's size.
         amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
         scales = self._storage_scales(amax)
-        stored = torch.empty(layout.elements, dtype=self.grad_dtype, device=device)
         # Scale in float32 in place (the staging rows are not needed after), then round to
-        # grad_dtype: two vectorised passes, faster than one multiplication into a 16-bit
-        # output, which computes into a float32 temporary and copies that.
+        # grad_dtype into a new buffer of rows: two vectorised passes, faster than one
+        # multiplication into a 16-bit output, which computes into a float32 temporary first.
         rows.mul_(layout.per_row(scales))
-        stored.view(layout.rows, ROW).copy_(rows)
+        stored = rows.to(self.grad_dtype)
         stats = torch.stack([scales, amax], dim=1)
         self._remember(stats, stored, plan, slots)
         version = stored._version
@@ -317,8 +316,8 @@ class BucketStores:
     def stored_bucket(self, stats: Tensor) -> tuple[Tensor, RowLayout, ViewRuns] | None:
         """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
 
-        ``(buffer, layout, views)``: row ``i`` of ``stats`` is the ``i``-th view; ``None`` once
-        the gradients are gone.
+        ``(buffer, layout, views)``: the buffer is ``layout.rows x ROW``; row ``i`` of ``stats``
+        is the ``i``-th view. ``None`` once the gradients are gone.
         """
         record = self._stored.get(id(stats))
         if record is None or record.stats() is not stats:

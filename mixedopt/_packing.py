@@ -112,6 +112,7 @@ class RowLayout:
         owners = [i for i, count in enumerate(rows) for _ in range(count)]
         # The tensor of each row, as a column; and the rows of each tensor.
         self.owner = torch.tensor(owners, dtype=torch.int64).reshape(-1, 1).to(device)
+        self._owner_pairs: Tensor | None = None  # ``owner`` in a table of pairs (``per_row_first``)
         self.counts = torch.tensor(rows, dtype=torch.int64).to(device)
 
     @property
@@ -121,6 +122,15 @@ class RowLayout:
     def per_row(self, values: Tensor) -> Tensor:
         """``values`` (one per tensor) as a ``(rows, 1)`` column: the value of each row's tensor."""
         return torch.take(values, self.owner)
+
+    def per_row_first(self, pairs: Tensor) -> Tensor:
+        """``per_row`` of the first column of ``pairs``, a table of two columns, a row per tensor.
+
+        One operation, where selecting the column first takes two.
+        """
+        if self._owner_pairs is None:
+            self._owner_pairs = self.owner * 2
+        return torch.take(pairs, self._owner_pairs)
 
     def per_tensor_max(self, row_values: Tensor) -> Tensor:
         """The largest of each tensor's rows (0 for a tensor without rows); NaN propagates."""
@@ -346,8 +356,8 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, str, torch.dtype], Tensor] = {}
         self._views: dict[tuple[Any, ...], Tensor] = {}
-        # (buffer key, id(runs)) -> (runs, their views of the buffer)
-        self._run_views: dict[tuple[Any, ...], tuple[ViewRuns, list[Tensor]]] = {}
+        # (buffer key, id(runs)) -> (runs, their views of the buffer, its rows they take)
+        self._run_views: dict[tuple[Any, ...], tuple[ViewRuns, list[Tensor], Tensor]] = {}
         self._layouts = LayoutCache()
         self._indices = IndexCache()
         # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
@@ -405,8 +415,9 @@ class Workspace:
         if found is None or found[0] is not runs:
             if len(self._run_views) >= 64:
                 self._run_views.clear()
-            found = self._run_views[key] = (runs, runs.views(buffer))
-        return buffer[: layout.elements].view(layout.rows, ROW), found[1]
+            rows = buffer[: layout.elements].view(layout.rows, ROW)
+            found = self._run_views[key] = (runs, runs.views(buffer), rows)
+        return found[2], found[1]
 
     def rows(
         self, role: str, dtype: torch.dtype, layout: RowLayout, params: Sequence[Tensor]
