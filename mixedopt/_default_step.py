@@ -202,8 +202,8 @@ def upcast_stored(
     operations fewer.
     """
     rows, grads = workspace.run_views("grad", torch.float32, layout, runs, stored.device)
-    # A copy, then a float32 multiplication: faster on a CPU than one multiplication from
-    # 16-bit inputs, which does not vectorise there.
+    # A copy, then a float32 multiplication (or division): faster on a CPU than one operation
+    # from 16-bit inputs, which does not vectorise there.
     rows.copy_(stored)
     if factors is not None:
         rows.mul_(layout.per_row(factors))
