@@ -239,20 +239,23 @@ def report(
 if __name__ == "__main__":
     import argparse
 
+    # Run as a script, this module is not the one ``bench`` imports: no import cycle.
+    from mixedopt.bench import _positive
+
     parser = argparse.ArgumentParser(
         prog="python -m mixedopt.bench_small",
         description="The many-small-parameters regime alone: operations dispatched per backward "
         "and per step, and iteration times of --layers x Linear(--width, --width) (64 x "
         "Linear(64, 64) by default), mixedopt next to torch.optim.",
     )
-    parser.add_argument("--repeat", type=int, default=100, help="timed iterations (100)")
+    parser.add_argument("--repeat", type=_positive, default=100, help="timed iterations (100)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
-        "--layers", type=int, default=64, help="Linear layers of the timed model (64)"
+        "--layers", type=_positive, default=64, help="Linear layers of the timed model (64)"
     )
     parser.add_argument(
         "--width",
-        type=int,
+        type=_positive,
         default=64,
         help="their width (64); above 181 on a CPU each weight is larger than a bucket takes "
         "(32Ki elements), and its gradient is stored alone",

@@ -193,6 +193,23 @@ def _progress_lines(err):
     return [line for line in err.splitlines() if line.startswith("bench: ")]
 
 
+@pytest.mark.parametrize("argv", [["--layers", "0"], ["--width", "-1"], ["--repeat", "0"]])
+def test_bench_small_refuses_counts_below_one(argv):
+    root = Path(bench.__file__).resolve().parent.parent
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "mixedopt.bench_small", *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert f"argument {argv[0]}: must be at least 1" in done.stderr
+
+
 def test_without_tqdm_each_run_prints_a_progress_line_to_stderr(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "tqdm", None)  # ``from tqdm import tqdm`` raises
     argv = ["--optimizers", "sgd,adam", "--variants", "torch-foreach,mixedopt"]
