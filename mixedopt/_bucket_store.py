@@ -366,11 +366,12 @@ class BucketStores:
         key = (device, tuple(map(id, slots)))
         plan = self._plans.get(key)
         params = list(map(_param_of_slot, slots))
+        contiguous = all(map(_is_contiguous, params))
         # Made for the parameters' memory as it was: new memory (``p.data = ...``) needs a new
         # plan. Contiguous parameters that still are (the common case) are checked without
         # reading their strides.
         if plan is not None and (
-            all(map(_is_contiguous, params))
+            contiguous
             if plan.param_strides is None
             else plan.param_strides == list(map(_stride_of, params))
         ):
@@ -380,7 +381,7 @@ class BucketStores:
         strides = [slot.grad_strides() for slot in slots]
         layout = self._layouts.get([slot.param.numel() for slot in slots], device)
         runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
-        param_strides = None if all(map(_is_contiguous, params)) else list(map(_stride_of, params))
+        param_strides = None if contiguous else list(map(_stride_of, params))
         plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
         return plan
 
