@@ -1,7 +1,8 @@
-"""step_in_backward(): backward updates the weights bucket by bucket as backward(); step() would."""
+"""step_in_backward(): backward updates the weights batch by batch as backward(); step() would."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
@@ -16,6 +17,17 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
+
+
+@contextlib.contextmanager
+def update_batch(n):
+    """Make an updating backward update what waits once ``n`` elements of gradients wait."""
+    saved = mixedopt._in_backward.UPDATE_BATCH
+    mixedopt._in_backward.UPDATE_BATCH = n
+    try:
+        yield
+    finally:
+        mixedopt._in_backward.UPDATE_BATCH = saved
 
 
 class Pair:
@@ -67,13 +79,16 @@ class Pair:
     scenarios(),
     st.sampled_from([1, 4]),
     st.sampled_from([torch.float16, torch.bfloat16]),
+    st.sampled_from([0, 100, mixedopt._in_backward.UPDATE_BATCH]),
 )
 def test_updating_backward_gives_the_weights_and_state_of_backward_then_step(
-    s, micro_batches, grad_dtype
+    s, micro_batches, grad_dtype, batch
 ):
     pair = Pair(s["name"], s["kwargs"], s["shapes"], s["seed"], grad_dtype=grad_dtype)
-    # Small budgets make several buckets per backward and store larger gradients alone.
-    with slice_elements(s["slice_elements"]):
+    # Small budgets make several buckets per backward and store larger gradients alone; a
+    # batch of 0 updates each as it is stored, 100 some of them together, the default all of
+    # these small models at the end of backward.
+    with slice_elements(s["slice_elements"]), update_batch(batch):
         magnitudes = s["magnitudes"]
         for step in range(s["steps"]):
             first = step * micro_batches
@@ -107,11 +122,47 @@ def test_later_layers_are_updated_before_backward_reaches_the_first():
     x = torch.randn(8, 64, requires_grad=True)
     hidden = model[1](model[0](x))
     # Runs when backward reaches the first layer's output, after the last layer's gradients
-    # (stored alone: larger than the budget).
+    # (stored alone: larger than the bucket budget; more than the update batch: updated at once).
     hidden.register_hook(lambda g: seen.append(not torch.equal(model[2].weight, last)))
-    with slice_elements(1000), opt.step_in_backward():
+    with slice_elements(1000), update_batch(4000), opt.step_in_backward():
         model[2](hidden).square().mean().backward()
     assert seen == [True]
+
+
+def test_gradients_wait_for_the_end_of_backward_while_they_fit_the_update_batch():
+    model = two_layers()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+    last = model[2].weight.detach().clone()
+    seen = []
+    x = torch.randn(8, 64, requires_grad=True)
+    hidden = model[1](model[0](x))
+    hidden.register_hook(lambda g: seen.append(torch.equal(model[2].weight, last)))
+    with slice_elements(1000), update_batch(5000), opt.step_in_backward():
+        model[2](hidden).square().mean().backward()
+    assert seen == [True]  # 4096 + 64 elements wait: not updated yet
+    assert not torch.equal(model[2].weight, last)  # updated when backward ended
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_update_batch_bounds_the_gradients_an_updating_backward_holds():
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(32, 32, bias=False) for _ in range(6)])
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+    held = []
+    out = torch.randn(4, 32)
+    for i, layer in enumerate(model):
+        out = layer(out)
+        if i + 1 < len(model):
+            # Runs when backward reaches this output: the gradients of the layers after it are in.
+            out.register_hook(
+                lambda g: held.append(sum(p.grad is not None for p in model.parameters()))
+            )
+    with slice_elements(500), update_batch(2560), opt.step_in_backward():
+        out.square().mean().backward()
+    # Each weight (1024 elements) is stored alone. Two wait; the third would take them past the
+    # batch, so it updates them first, then waits.
+    assert held == [1, 2, 1, 2, 1]
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_after_an_updating_backward_no_gradient_is_left_and_step_changes_nothing():
@@ -203,13 +254,14 @@ def test_non_finite_gradient_stops_the_updates_and_leaves_the_rest_untouched(bad
     hidden.register_hook(lambda g: g * bad)  # the first layer's gradients only
     found = r"inf or NaN.* 1 parameter\(s\) had been updated.*other 3 keep"
     with pytest.warns(RuntimeWarning, match=found):
-        with slice_elements(1000), opt.step_in_backward():
+        with slice_elements(1000), update_batch(0), opt.step_in_backward():
             model[2](hidden).square().mean().backward()
     for p, w, s in zip(first, before, state, strict=True):
         assert torch.equal(p, w)
         for key, value in s.items():
             assert torch.equal(opt.state[p][key], value)
-    # The last layer's weight, larger than the budget, was stored and updated first.
+    # The last layer's weight, larger than the budget, was stored and updated first (a batch of
+    # 0: what is stored is updated at once).
     twin_model(x).square().mean().backward()
     ref.step()
     torch.testing.assert_close(model[2].weight, twin_model[2].weight)
@@ -315,7 +367,7 @@ def test_a_parameter_saved_for_backward_through_detach_makes_autograd_raise():
     # later, so backward reaches it, and second.weight's update, first.
     out = (hidden @ second.weight.detach()).tanh() + second(hidden)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        with slice_elements(100), opt.step_in_backward():
+        with slice_elements(100), update_batch(0), opt.step_in_backward():
             out.square().mean().backward()
 
 
@@ -337,7 +389,8 @@ def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentr
     opt, ref = mixedopt.Adam(blocks.parameters()), mixedopt.Adam(twin_blocks.parameters())
     for _ in range(2):
         x = torch.randn(8, 64, requires_grad=reentrant)
-        with slice_elements(1000), opt.step_in_backward():
+        # Each weight is updated as soon as it is stored, before the blocks before it recompute.
+        with slice_elements(1000), update_batch(0), opt.step_in_backward():
             loss_of(blocks, x).backward()
         loss_of(twin_blocks, x).backward()
         ref.step()
@@ -367,7 +420,8 @@ def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it()
     finished = threading.Event()
 
     def iterate():
-        with slice_elements(1000):  # the (40, 50) weight is stored alone, in its own call
+        # The (40, 50) weight is stored alone, and updated in a call of its own.
+        with slice_elements(1000), update_batch(0):
             pair.iteration([0.0])
         finished.set()
 
