@@ -58,11 +58,20 @@ MEMORY_MODES: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     f"mixedopt.Adam, {IN_BACKWARD}": lambda p: mixedopt.Adam(p),
 }
 
-# name -> (layers, width, batch) of the models the speed is measured on.
-SPEED_MODELS = {
-    "4-layer 1024-wide MLP, batch 64": (4, 1024, 64),
-    "64 x Linear(64, 64), batch 16": (64, 64, 16),
-}
+
+def speed_models(mlp_layers: int = 4) -> dict[str, tuple[int, int, int]]:
+    """The models the speed is measured on: name -> (layers, width, batch).
+
+    More MLP layers than 4 (4M parameters) make the updating backward update some of them
+    before backward ends (``_in_backward.UPDATE_BATCH``).
+    """
+    return {
+        f"{mlp_layers}-layer 1024-wide MLP, batch 64": (mlp_layers, 1024, 64),
+        "64 x Linear(64, 64), batch 16": (64, 64, 16),
+    }
+
+
+SPEED_MODELS = speed_models()
 
 
 def scaled_model(layers: int, width: int, device: str = "cpu") -> nn.Module:
@@ -236,8 +245,12 @@ def report(
     device: str = "cpu",
     memory: bool = True,
     dtype: torch.dtype = torch.float16,
+    models: dict[str, tuple[int, int, int]] | None = None,
 ) -> tuple[str, dict[str, Any]]:
-    """Both tables as text, and their figures (the speed table's forward in ``dtype``)."""
+    """Both tables as text, and their figures.
+
+    The speed table's forward computes in ``dtype``, on ``models`` (by default ``SPEED_MODELS``).
+    """
     lines = []
     figures: dict[str, Any] = {}
     if memory:
@@ -269,7 +282,7 @@ def report(
         "| model | " + " | ".join(ways) + " |",
         "|---|" + "---:|" * len(ways),
     ]
-    for name, (model_layers, model_width, batch) in SPEED_MODELS.items():
+    for name, (model_layers, model_width, batch) in (models or SPEED_MODELS).items():
         times = iteration_times(
             model_layers, model_width, batch, repeat, device=device, dtype=dtype
         )
@@ -299,6 +312,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the dtype the timed forwards compute in (float16); bfloat16 shows the optimizer's "
         "share on a CPU whose float16 matrix products are slow",
     )
+    parser.add_argument(
+        "--mlp-layers",
+        type=bench._positive,
+        help="layers of the timed 1024-wide MLP (4); more than 4 update some in backward",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the figures")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -306,7 +324,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(json.dumps(peak_bytes_per_parameter(json.loads(args.child))))
         return 0
     dtype = getattr(torch, args.autocast_dtype)
-    text, figures = report(args.layers, args.width, args.repeat, args.device, args.memory, dtype)
+    models = None if args.mlp_layers is None else speed_models(args.mlp_layers)
+    text, figures = report(
+        args.layers, args.width, args.repeat, args.device, args.memory, dtype, models
+    )
     print(text)
     if args.json:
         with open(args.json, "w") as f:

@@ -304,6 +304,16 @@ def test_step_in_backward_benchmark_prints_a_speed_row_per_model(capsys):
         assert re.search(rf"\| {re.escape(name)} \| [\d.]+ \|{ratio}{ratio}$", out, re.M), out
 
 
+def test_step_in_backward_benchmark_times_the_mlp_depth_asked_for(capsys):
+    from mixedopt import bench_in_backward
+
+    argv = ["--no-memory", "--repeat", "1", "--autocast-dtype", "bfloat16", "--mlp-layers", "2"]
+    assert bench_in_backward.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| 2-layer 1024-wide MLP, batch 64 |" in out
+    assert "4-layer" not in out
+
+
 def test_in_turn_starts_each_round_with_the_next_variant():
     rounds = [bench_small.in_turn(["a", "b", "c"], i) for i in range(4)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
