@@ -427,9 +427,10 @@ if cpu_run is not None:
         """
 ## Stepping in backward: no gradient held for the whole model
 
-`with optimizer.step_in_backward(): loss.backward()` updates each bucket of parameters as
-soon as backward has stored its gradients, and frees them: the same weights as
-`loss.backward(); optimizer.step()`, without ever holding the gradients of the whole model.
+`with optimizer.step_in_backward(): loss.backward()` updates the parameters during backward,
+as soon as their stored gradients reach 4Mi elements (8 MiB), and frees those gradients: the
+same weights as `loss.backward(); optimizer.step()`, without ever holding the gradients of the
+whole model.
 `mixedopt.bench_in_backward` measures the peak of a training iteration (Adam, batch 1, so
 that activations are negligible) in bytes per parameter: everything the model, its optimizer
 and the iteration hold, weights (4 B) and Adam's state (8 B) included, each figure in a fresh
