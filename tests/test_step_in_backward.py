@@ -371,8 +371,9 @@ def test_a_parameter_saved_for_backward_through_detach_makes_autograd_raise():
             out.square().mean().backward()
 
 
+@pytest.mark.parametrize("batch", [0, mixedopt._in_backward.UPDATE_BATCH])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentrant):
+def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentrant, batch):
     """A checkpointed block recomputes its forward in backward, with weights not updated yet."""
     from torch.utils.checkpoint import checkpoint
 
@@ -389,8 +390,9 @@ def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentr
     opt, ref = mixedopt.Adam(blocks.parameters()), mixedopt.Adam(twin_blocks.parameters())
     for _ in range(2):
         x = torch.randn(8, 64, requires_grad=reentrant)
-        # Each weight is updated as soon as it is stored, before the blocks before it recompute.
-        with slice_elements(1000), update_batch(0), opt.step_in_backward():
+        # A batch of 0: each weight is updated as soon as it is stored, before the blocks before
+        # it recompute. Reentrant blocks run backwards of their own, whose ends update too.
+        with slice_elements(1000), update_batch(batch), opt.step_in_backward():
             loss_of(blocks, x).backward()
         loss_of(twin_blocks, x).backward()
         ref.step()
