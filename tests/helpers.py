@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
+import mixedopt._in_backward
 import mixedopt._packing
 
 OPTIMIZERS = {
@@ -118,14 +119,24 @@ def scenarios(draw):
 
 
 @contextlib.contextmanager
-def slice_elements(n):
-    """Make step() cut the gradients into slices of ``n`` elements (on the CPU)."""
-    saved = mixedopt._packing.CPU_CAPACITY
-    mixedopt._packing.CPU_CAPACITY = n
+def setting(owner, name, value):
+    """``owner.name`` set to ``value`` for the block, then back to what it was."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        mixedopt._packing.CPU_CAPACITY = saved
+        setattr(owner, name, saved)
+
+
+def slice_elements(n):
+    """Make step() cut the gradients into slices of ``n`` elements (on the CPU)."""
+    return setting(mixedopt._packing, "CPU_CAPACITY", n)
+
+
+def update_batch(n):
+    """Make an updating backward update what waits once ``n`` elements of gradients wait."""
+    return setting(mixedopt._in_backward, "UPDATE_BATCH", n)
 
 
 class Twins:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import gc
 import io
@@ -11,23 +10,12 @@ import warnings
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, scenarios, slice_elements
+from helpers import OPTIMIZERS, scenarios, slice_elements, update_batch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
-
-
-@contextlib.contextmanager
-def update_batch(n):
-    """Make an updating backward update what waits once ``n`` elements of gradients wait."""
-    saved = mixedopt._in_backward.UPDATE_BATCH
-    mixedopt._in_backward.UPDATE_BATCH = n
-    try:
-        yield
-    finally:
-        mixedopt._in_backward.UPDATE_BATCH = saved
 
 
 class Pair:
@@ -114,34 +102,33 @@ def two_layers():
     return nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64))
 
 
-def test_later_layers_are_updated_before_backward_reaches_the_first():
+def last_weight_updated(batch):
+    """Whether the last layer's weight was updated when backward reached the first layer's
+    output, and when it ended, with an update batch of ``batch`` elements.
+
+    Its gradient (4096 elements) is stored alone, larger than the bucket budget; the biases
+    (64 each) wait in a bucket stored when backward ends.
+    """
     model = two_layers()
     opt = mixedopt.SGD(model.parameters(), lr=0.1)
     last = model[2].weight.detach().clone()
     seen = []
     x = torch.randn(8, 64, requires_grad=True)
     hidden = model[1](model[0](x))
-    # Runs when backward reaches the first layer's output, after the last layer's gradients
-    # (stored alone: larger than the bucket budget; more than the update batch: updated at once).
     hidden.register_hook(lambda g: seen.append(not torch.equal(model[2].weight, last)))
-    with slice_elements(1000), update_batch(4000), opt.step_in_backward():
+    with slice_elements(1000), update_batch(batch), opt.step_in_backward():
         model[2](hidden).square().mean().backward()
-    assert seen == [True]
+    assert all(p.grad is None for p in model.parameters())
+    (midway,) = seen
+    return midway, not torch.equal(model[2].weight, last)
+
+
+def test_later_layers_are_updated_before_backward_reaches_the_first():
+    assert last_weight_updated(batch=4000) == (True, True)  # more than the batch: at once
 
 
 def test_gradients_wait_for_the_end_of_backward_while_they_fit_the_update_batch():
-    model = two_layers()
-    opt = mixedopt.SGD(model.parameters(), lr=0.1)
-    last = model[2].weight.detach().clone()
-    seen = []
-    x = torch.randn(8, 64, requires_grad=True)
-    hidden = model[1](model[0](x))
-    hidden.register_hook(lambda g: seen.append(torch.equal(model[2].weight, last)))
-    with slice_elements(1000), update_batch(5000), opt.step_in_backward():
-        model[2](hidden).square().mean().backward()
-    assert seen == [True]  # 4096 + 64 elements wait: not updated yet
-    assert not torch.equal(model[2].weight, last)  # updated when backward ended
-    assert all(p.grad is None for p in model.parameters())
+    assert last_weight_updated(batch=5000) == (False, True)
 
 
 def test_the_update_batch_bounds_the_gradients_an_updating_backward_holds():
