@@ -178,7 +178,7 @@ class UpdatingBackward:
             if self.stopped:
                 self._discard(params)
                 return
-            elements = sum(p.numel() for p in params)
+            elements = sum(map(Tensor.numel, params))
             if self.waiting and self.waiting_elements + elements > UPDATE_BATCH:
                 self._update_waiting()
             self.waiting += params
