@@ -189,23 +189,28 @@ def test_the_small_regime_times_the_model_of_layers_and_width(monkeypatch):
     assert "Training iteration of 3 x Linear(200, 200)" in text
 
 
+def run_module(module, argv, timeout):
+    """``python -m module *argv`` in a fresh interpreter that imports this checkout."""
+    root = Path(bench.__file__).resolve().parent.parent
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+    )
+    return subprocess.run(
+        [sys.executable, "-m", module, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
 def _progress_lines(err):
     return [line for line in err.splitlines() if line.startswith("bench: ")]
 
 
 @pytest.mark.parametrize("argv", [["--layers", "0"], ["--width", "-1"], ["--repeat", "0"]])
 def test_bench_small_refuses_counts_below_one(argv):
-    root = Path(bench.__file__).resolve().parent.parent
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "mixedopt.bench_small", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
+    done = run_module("mixedopt.bench_small", argv, timeout=120)
     assert done.returncode == 2
     assert f"argument {argv[0]}: must be at least 1" in done.stderr
 
@@ -275,17 +280,7 @@ def test_compile_column_shows_the_step_that_compiled(tmp_path):
     path = tmp_path / "bench.json"
     argv = [*SMALL, "--numel", str(40_000), "--params", "1", "--no-memory"]
     argv += ["--optimizers", "sgd", "--variants", "mixedopt-fused", "--json", str(path)]
-    root = Path(bench.__file__).resolve().parent.parent
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
-    )
-    done = subprocess.run(
-        [sys.executable, "-m", "mixedopt.bench", *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=600,
-    )
+    done = run_module("mixedopt.bench", argv, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (row,) = json.loads(path.read_text())["rows"]
     # SGD with momentum: the first step creates the momentum buffer, the second compiles.
