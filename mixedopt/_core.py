@@ -12,8 +12,8 @@ parent's public functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``
 (torch's fused update for small parameters where the parent has one, else compiled kernels that
 read the 16-bit gradients: ``FusedSteps`` of ``_fused_step.py``, mixed into this class). An
 optimizer file only says how its state is created and which functional and kernel to call.
-``step_in_backward()`` (``_in_backward.py``) runs the same update on each bucket of gradients
-as backward stores it.
+``step_in_backward()`` (``_in_backward.py``) runs the same update inside backward, on batches of
+the gradients backward stores.
 
 The class is cut by stage. This module holds what makes it an optimizer: construction and the
 checks of parameters and groups, copying and pickling, the public extras
@@ -241,11 +241,11 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
                 loss.backward()
 
         does what ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` does, with the
-        same weights and state, but each bucket of gradients (``_packing.budget``; a large
-        gradient alone) updates its parameters as soon as backward has stored it, and is freed
-        then: the gradients of the whole model are never held. For gradient accumulation, the
-        earlier micro-batches run a plain ``loss.backward()`` (their gradients are stored in 16
-        bits as usual) and the last one runs in this context.
+        same weights and state, but the parameters are updated inside backward as soon as their
+        stored gradients reach ``_in_backward.UPDATE_BATCH`` elements (or backward ends), and
+        those gradients are freed then: the gradients of the whole model are never held. For
+        gradient accumulation, the earlier micro-batches run a plain ``loss.backward()`` (their
+        gradients are stored in 16 bits as usual) and the last one runs in this context.
 
         When it ends it calls ``step()`` once: that updates the parameters that got no gradient
         in this backward but hold one from earlier micro-batches, runs the step hooks, and is

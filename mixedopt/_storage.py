@@ -38,7 +38,8 @@ How it gets there (PyTorch >= 2.10)
 Stepping in backward
     While an optimizer's ``step_in_backward()`` is on, each stored bucket (or gradient stored
     alone) is handed at once to the consumer set for its parameters (``set_consumer``), which
-    updates them and frees the gradients, still inside backward (``_in_backward.py``).
+    updates them, in batches, and frees the gradients, still inside backward
+    (``_in_backward.py``).
 
 A gradient assigned by hand (``p.grad = g``) is taken as the true gradient (scale 1); one changed
 in place (``zero_grad(set_to_none=False)``, ``p.grad.mul_(...)``) keeps its scale. All of this is
