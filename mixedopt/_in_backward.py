@@ -191,8 +191,14 @@ class UpdatingBackward:
                 self.task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
-    @torch.no_grad()
     def _end_of_backward(self) -> None:
+        # As storage work, as in ``consume``: a release that comes in the middle of the update
+        # (a finalizer: the garbage collector may run there) stores what waits in the shared
+        # storage, which hands it to ``consume``; it must wait until the lock is free.
+        self.optimizer._grad_storage.run_as_storage_work(self._update_at_end)
+
+    @torch.no_grad()
+    def _update_at_end(self) -> None:
         with self.lock:
             self.task = -1
             self._update_waiting()

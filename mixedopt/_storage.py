@@ -372,6 +372,15 @@ class GradientStorage(BucketStores, StorageScales):
             self._consumed += (consumer is not None) - (slot.consumer is not None)
             slot.consumer = consumer
 
+    @_deferring_releases
+    def run_as_storage_work(self, work: Callable[[], None]) -> None:
+        """Run ``work``, a consumer's use of stored gradients, as storage work.
+
+        For a consumer's work outside the stores that call it (at the end of a backward): an
+        optimizer's release that comes in its middle waits until it ends, as in a store.
+        """
+        work()
+
     @staticmethod
     def _hand_over(slots: list[_Slot]) -> None:
         """Call each consumer with its parameters among ``slots``, in order."""

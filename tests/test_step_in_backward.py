@@ -388,12 +388,23 @@ def test_activation_checkpointing_gives_the_weights_of_backward_then_step(reentr
         torch.testing.assert_close(p, q, rtol=1.3e-6, atol=1e-5)
 
 
-def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it():
+@pytest.mark.parametrize(
+    ("batch", "shapes"),
+    [
+        # Each update as backward stores it: the (40, 50) weight, stored alone, comes last
+        # (backward reaches the loss's terms last to first), the bucket of the others waits.
+        (0, [(40, 50), (50,), (3, 7)]),
+        # One update when backward ends: the (40, 50) weight comes first, and the update runs
+        # before the bucket of the others is stored (the storage's end of backward comes next).
+        (mixedopt._in_backward.UPDATE_BATCH, [(3, 7), (50,), (40, 50)]),
+    ],
+)
+def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it(batch, shapes):
     # An optimizer that dies in a reference cycle is let go by a finalizer, whenever the garbage
     # collector runs: here in the middle of an update of the updating backward. Letting it go
     # stores what waits in the shared gradient storage, which must wait for that update to end
     # (the update holds the parameters' state), not call it again from inside itself.
-    pair = Pair("RMSprop", {"lr": 1e-2}, [(40, 50), (50,), (3, 7)], seed=3)
+    pair = Pair("RMSprop", {"lr": 1e-2}, shapes, seed=3)
     other = nn.Parameter(torch.randn(10))
     doomed = [mixedopt.RMSprop([other], lr=1e-2)]
     doomed.append(doomed)  # a cycle: only the garbage collector frees it
@@ -409,8 +420,7 @@ def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it()
     finished = threading.Event()
 
     def iterate():
-        # The (40, 50) weight is stored alone, and updated in a call of its own.
-        with slice_elements(1000), update_batch(0):
+        with slice_elements(1000), update_batch(batch):
             pair.iteration([0.0])
         finished.set()
 
