@@ -29,16 +29,20 @@ from typing import Any
 import torch
 from torch import Tensor
 
+# The dtypes autocast casts to, and the method that casts to each: it does what ``to(dtype)``
+# does, with less argument parsing (a recast of a small weight is mostly dispatch).
+_CASTS = {torch.float16: Tensor.half, torch.bfloat16: Tensor.bfloat16, torch.float32: Tensor.float}
+
 
 class _Recast:
     """A saved cast of a leaf tensor, to be made again in backward."""
 
-    __slots__ = ("leaf", "version", "dtype", "size", "stride", "offset")
+    __slots__ = ("leaf", "version", "cast", "size", "stride", "offset")
 
     def __init__(self, leaf: Tensor, saved: Tensor) -> None:
         self.leaf = leaf
         self.version = leaf._version
-        self.dtype = saved.dtype
+        self.cast = _CASTS[saved.dtype]
         self.size, self.stride, self.offset = saved.size(), saved.stride(), saved.storage_offset()
 
     def tensor(self) -> Tensor:
@@ -48,7 +52,7 @@ class _Recast:
                 "backward that needs it (an optimizer step, say), so its low-precision cast "
                 "cannot be made again; step after backward, or use torch.autocast"
             )
-        cast = self.leaf.detach().to(self.dtype)
+        cast = self.cast(self.leaf.detach())
         return cast.as_strided(self.size, self.stride, self.offset)
 
 
@@ -58,7 +62,12 @@ def _pack(saved: Tensor) -> Any:
     if node is not None and type(node).__name__ == "ToCopyBackward0":
         source = node.next_functions[0][0]
         leaf = getattr(source, "variable", None)  # an AccumulateGrad node's tensor
-        if leaf is not None and leaf.dtype != saved.dtype and leaf.is_floating_point():
+        if (
+            leaf is not None
+            and leaf.dtype != saved.dtype
+            and saved.dtype in _CASTS
+            and leaf.is_floating_point()
+        ):
             return _Recast(leaf, saved)
     return saved
 

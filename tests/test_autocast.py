@@ -83,6 +83,35 @@ def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(mon
         assert type(base.grad_fn).__name__ != "ToCopyBackward0"
 
 
+def test_a_16_bit_weight_cast_to_float32_is_recast_with_the_gradients_of_torch_autocast(
+    monkeypatch,
+):
+    """Autocast runs some operations in float32 (``cdist`` here): it casts 16-bit weights up."""
+    from mixedopt import _autocast
+
+    packed = []
+    pack = _autocast._pack
+
+    def recording(saved):
+        packed.append(pack(saved))
+        return packed[-1]
+
+    monkeypatch.setattr(_autocast, "_pack", recording)
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16))
+    twin = nn.Parameter(weight.detach().clone())
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with mixedopt.autocast("cpu", dtype=torch.bfloat16):
+        loss = torch.cdist(x, weight).square().sum()
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        torch.cdist(x, twin).square().sum().backward()
+    recasts = [p for p in packed if isinstance(p, _autocast._Recast)]
+    assert [r.leaf for r in recasts] == [weight]
+    assert recasts[0].tensor().dtype == torch.float32
+    assert torch.equal(weight.grad, twin.grad)
+
+
 def test_step_in_backward_under_it_gives_the_weights_of_backward_then_step():
     net, twin = model(), model()
     opt, ref = mixedopt.Adam(net.parameters()), mixedopt.Adam(twin.parameters())
