@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 import mixedopt
+from mixedopt import _autocast
 
 
 def model():
@@ -60,17 +61,21 @@ def test_a_weight_changed_between_forward_and_backward_raises():
         loss.backward()
 
 
-def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(monkeypatch):
-    from mixedopt import _autocast
-
-    packed = []
+@pytest.fixture
+def packed(monkeypatch):
+    """What mixedopt.autocast saves for backward, in order."""
+    found = []
     pack = _autocast._pack
 
     def recording(saved):
-        packed.append(pack(saved))
-        return packed[-1]
+        found.append(pack(saved))
+        return found[-1]
 
     monkeypatch.setattr(_autocast, "_pack", recording)
+    return found
+
+
+def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(packed):
     net = two_linears()
     with mixedopt.autocast("cpu", dtype=torch.float16):
         net(torch.randn(2, 8)).float().sum().backward()
@@ -83,20 +88,8 @@ def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(mon
         assert type(base.grad_fn).__name__ != "ToCopyBackward0"
 
 
-def test_a_16_bit_weight_cast_to_float32_is_recast_with_the_gradients_of_torch_autocast(
-    monkeypatch,
-):
+def test_a_16_bit_weight_cast_to_float32_is_recast_with_the_gradients_of_torch_autocast(packed):
     """Autocast runs some operations in float32 (``cdist`` here): it casts 16-bit weights up."""
-    from mixedopt import _autocast
-
-    packed = []
-    pack = _autocast._pack
-
-    def recording(saved):
-        packed.append(pack(saved))
-        return packed[-1]
-
-    monkeypatch.setattr(_autocast, "_pack", recording)
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(4, 8, dtype=torch.bfloat16))
     twin = nn.Parameter(weight.detach().clone())
