@@ -272,6 +272,31 @@ def test_a_backward_that_raises_ends_the_mode_and_keeps_the_gradients_not_used()
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_a_gradient_stored_outside_backward_in_the_mode_is_used_at_once():
+    model, twin = two_layers(), two_layers()
+    opt = mixedopt.SGD(model.parameters(), lr=0.1)
+    reference = mixedopt.SGD(twin.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+
+    def fail(grad):
+        raise ValueError("boom")
+
+    with opt.step_in_backward():
+        hidden = model[1](model[0](x))
+        hidden.register_hook(fail)
+        with pytest.raises(ValueError, match="boom"):
+            model[2](hidden).square().mean().backward()
+        # The last layer's gradients wait unstored; true_grad() stores them, outside any
+        # backward, and the mode updates their parameters then, as it would in backward.
+        assert opt.true_grad(model[2].weight) is None
+        assert all(p.grad is None for p in model.parameters())
+        updated = [p.detach().clone() for p in model.parameters()]
+    twin[2](twin[1](twin[0](x)).detach()).square().mean().backward()
+    reference.step()
+    for p, q in zip(updated, twin.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
 def test_max_grad_norm_is_refused():
     model = two_layers()
     opt = mixedopt.Adam(model.parameters(), max_grad_norm=1.0)
