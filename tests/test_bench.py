@@ -189,19 +189,22 @@ def test_the_small_regime_times_the_model_of_layers_and_width(monkeypatch):
     assert "Training iteration of 3 x Linear(200, 200)" in text
 
 
-def run_module(module, argv, timeout):
-    """``python -m module *argv`` in a fresh interpreter that imports this checkout."""
-    root = Path(bench.__file__).resolve().parent.parent
+ROOT = Path(bench.__file__).resolve().parent.parent  # of this checkout
+
+
+def run_python(argv, timeout):
+    """``python *argv`` in a fresh interpreter that imports this checkout."""
     env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])
+        os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     )
     return subprocess.run(
-        [sys.executable, "-m", module, *argv],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
+        [sys.executable, *argv], capture_output=True, text=True, env=env, timeout=timeout
     )
+
+
+def run_module(module, argv, timeout):
+    """``python -m module *argv`` in a fresh interpreter that imports this checkout."""
+    return run_python(["-m", module, *argv], timeout)
 
 
 def _progress_lines(err):
@@ -335,3 +338,16 @@ def test_step_in_backward_benchmark_times_forwards_in_the_autocast_dtype_asked_f
     assert "autocast(bfloat16)" in capsys.readouterr().out
     assert {dtype for _, dtype in outputs} == {torch.bfloat16}
     assert {forward for forward, _ in outputs} == {"torch.autocast", "mixedopt.autocast"}
+
+
+def test_floor_script_times_each_variant_doing_torchs_update():
+    result = run_python([str(ROOT / "scripts" / "floor_small.py"), "--repeat", "2"], 300)
+    assert result.returncode == 0, result.stderr
+    names = ["torch", "torch + hooks", "minimal store", "minimal store + scales", "mixedopt"]
+    for name in names:
+        assert re.search(rf"^\| {re.escape(name)} \| [\d.]+ \([\d.]+x\) \|", result.stdout, re.M)
+    # Every variant made torch's update: 64 x Linear(64, 64) under autocast(float16) has
+    # gradients float16 holds exactly, so the weights after 7 steps are torch's.
+    moved = dict(re.findall(r"^- (.+): (\S+)$", result.stdout, re.M))
+    assert list(moved) == names[1:]
+    assert all(float(value) == 0.0 for value in moved.values()), moved
