@@ -10,7 +10,12 @@ of a child process: three warm-up iterations uninstrumented, then ``--iterations
 Switching the instrumentation on and off is counted too (the same few thousand instructions
 on both sides). Needs valgrind (``apt install valgrind``); each run takes about 40 s.
 
+``--floor`` (SGD) adds two columns: the minimal store of ``scripts/floor_small.py`` without and
+with mixedopt's scales, for the iteration, backward and step: what part of mixedopt's
+instructions any 16-bit store executes.
+
     python scripts/count_instructions.py [--optimizer sgd|adamw|rmsprop] [--iterations 4]
+                                         [--floor]
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
+from typing import Any
 
 # What a count covers: (part of the iteration collected, valgrind functions it is limited to).
 PARTS = {
@@ -30,6 +37,8 @@ PARTS = {
     "storage hooks": ("backward", "*PyFunctionPreHook*"),
     "bucket stores": ("backward", "*THPEngine_queue_callback*"),
 }
+# The variants of ``scripts/floor_small.py`` that ``--floor`` counts too (SGD only).
+FLOOR = ("minimal store", "minimal store + scales")
 
 
 def child(library: str, optimizer: str, part: str, iterations: int) -> None:
@@ -42,7 +51,14 @@ def child(library: str, optimizer: str, part: str, iterations: int) -> None:
     torch.set_num_threads(1)
     net = bench_small.model(64, 64)
     params = net.parameters()
-    if library == "torch":
+    if library in FLOOR:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from floor_small import MinimalStore
+
+        make: dict[str, Callable[[], Any]] = {
+            "sgd": lambda: MinimalStore(params, scaled=library == "minimal store + scales")
+        }
+    elif library == "torch":
         make = {
             "sgd": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
             "adamw": lambda: torch.optim.AdamW(params, foreach=True),
@@ -117,20 +133,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--optimizer", choices=["sgd", "adamw", "rmsprop"], default="sgd")
     parser.add_argument("--iterations", type=int, default=4)
+    parser.add_argument(
+        "--floor", action="store_true", help="count the minimal stores of floor_small.py too (SGD)"
+    )
     args = parser.parse_args()
+    if args.floor and args.optimizer != "sgd":
+        parser.error("--floor counts SGD with momentum only")
     print(
         f"64 x Linear(64, 64), {args.optimizer}, one thread: millions of instructions per "
         "iteration (valgrind --tool=callgrind)\n"
     )
-    print("| part | torch.optim | mixedopt | difference |")
-    print("|---|---:|---:|---:|")
+    floor = FLOOR if args.floor else ()
+    print(
+        "| part | torch.optim | "
+        + "".join(f"{name} | " for name in floor)
+        + "mixedopt | difference |"
+    )
+    print("|---|---:|" + "---:|" * len(floor) + "---:|---:|")
     for name in PARTS:
         ours = count("mixedopt", args.optimizer, name, args.iterations)
         if PARTS[name][1] is None:
             theirs = count("torch", args.optimizer, name, args.iterations)
-            row = f"{theirs / 1e6:.2f} | {ours / 1e6:.2f} | {(ours - theirs) / 1e6:+.2f}"
+            between = [count(variant, args.optimizer, name, args.iterations) for variant in floor]
+            cells = [theirs, *between, ours]
+            row = " | ".join(f"{c / 1e6:.2f}" for c in cells) + f" | {(ours - theirs) / 1e6:+.2f}"
         else:
-            row = f"– | {ours / 1e6:.2f} | –"
+            row = "– | " * (1 + len(floor)) + f"{ours / 1e6:.2f} | –"
         print(f"| {name} | {row} |", flush=True)
 
 
