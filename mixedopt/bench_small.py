@@ -129,20 +129,24 @@ def per_parameter(
     return {key: (counts_large[key] - counts_small[key]) / extra for key in counts_small}
 
 
-def iteration_times(
-    pair: str,
+def time_in_turns(
+    makers: Sequence[Callable[[Any], Any]],
     layers: int = 64,
     width: int = 64,
     batch: int = 16,
     repeat: int = 50,
     warmup: int = 5,
     device: str = "cpu",
-) -> dict[str, dict[str, float]]:
-    """Median milliseconds of an iteration, its backward and its step, for both of ``pair``."""
+) -> list[tuple[nn.Module, dict[str, float]]]:
+    """Each maker's optimizer on its own ``model`` (the same for all), the iterations in turns.
+
+    For each maker, its model after the iterations and the median milliseconds of an
+    iteration, its backward and its step.
+    """
     x = torch.randn(batch, width, device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     runs = []
-    for make in PAIRS[pair]:
+    for make in makers:
         net = model(layers, width, device=device)
         opt = make(net.parameters())
         times: dict[str, list[float]] = {"iteration": [], "backward": [], "step": []}
@@ -170,15 +174,30 @@ def iteration_times(
             iteration()
         for values in times.values():
             values.clear()
-        runs.append((iteration, times))
+        runs.append((net, iteration, times))
     for round_index in range(repeat):
-        for iteration, _ in in_turn(runs, round_index):
+        for _, iteration, _ in in_turn(runs, round_index):
             iteration()
-    (_, torch_times), (_, mixed_times) = runs
-    result = {}
-    for name, times in (("torch", torch_times), ("mixedopt", mixed_times)):
-        result[name] = {key: 1e3 * statistics.median(values) for key, values in times.items()}
-    return result
+    return [
+        (net, {key: 1e3 * statistics.median(values) for key, values in times.items()})
+        for net, _, times in runs
+    ]
+
+
+def iteration_times(
+    pair: str,
+    layers: int = 64,
+    width: int = 64,
+    batch: int = 16,
+    repeat: int = 50,
+    warmup: int = 5,
+    device: str = "cpu",
+) -> dict[str, dict[str, float]]:
+    """Median milliseconds of an iteration, its backward and its step, for both of ``pair``."""
+    (_, torch_times), (_, mixed_times) = time_in_turns(
+        PAIRS[pair], layers, width, batch, repeat, warmup, device
+    )
+    return {"torch": torch_times, "mixedopt": mixed_times}
 
 
 def report(

@@ -2,8 +2,8 @@
 
 ``python -m mixedopt.bench_small`` compares mixedopt with torch.optim on 64 x Linear(64, 64).
 This asks what part of mixedopt's extra time any store of 16-bit gradients must pay with
-torch's Python API, whatever it computes. Four variants of SGD with momentum take turns
-iteration by iteration (``bench_small.in_turn``), on the same model, input and seed:
+torch's Python API, whatever it computes. Five variants of SGD with momentum take turns
+iteration by iteration (``bench_small.time_in_turns``), on the same model and input:
 
 * ``torch``: ``torch.optim.SGD(foreach=True)``, the reference.
 * ``torch + hooks``: the same, with a pre-hook that does nothing on each parameter's
@@ -23,7 +23,7 @@ iteration by iteration (``bench_small.in_turn``), on the same model, input and s
 * ``mixedopt``: ``mixedopt.SGD``.
 
 It prints the median iteration, backward and step of each, in milliseconds and as a ratio to
-torch's, and how far the minimal store's weights moved from torch's (float16 rounding only).
+torch's, and how far each variant's weights are from torch's at the end.
 
     python scripts/floor_small.py [--repeat 300]
 """
@@ -32,8 +32,6 @@ from __future__ import annotations
 
 import argparse
 import operator
-import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,9 +40,9 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 import mixedopt
+from mixedopt import bench_small
 from mixedopt._packing import ROW, RowLayout, ViewRuns, contiguous_strides
 from mixedopt._scales import any_non_finite, power_of_two_scale
-from mixedopt.bench_small import _loss, in_turn, model
 
 LR, MOMENTUM = 1e-3, 0.9
 
@@ -154,42 +152,13 @@ VARIANTS: dict[str, Callable[[Any], Any]] = {
 }
 
 
-def time_variants(repeat: int, warmup: int = 5) -> list[tuple[str, Any, dict[str, float]]]:
-    """``(name, model, median ms of iteration, backward and step)`` of each variant, in turns."""
-    x = torch.randn(16, 64)
-    runs: list[tuple[str, Any, Any, dict[str, list[float]]]] = []
-    for name, make in VARIANTS.items():
-        net = model(64, 64)
-        runs.append(
-            (name, net, make(net.parameters()), {"iteration": [], "backward": [], "step": []})
-        )
-    for round_index in range(warmup + repeat):
-        for _, net, opt, times in in_turn(runs, round_index):
-            start = time.perf_counter()
-            loss = _loss(net, x)
-            before_backward = time.perf_counter()
-            loss.backward()
-            before_step = time.perf_counter()
-            opt.step()
-            after_step = time.perf_counter()
-            opt.zero_grad()
-            end = time.perf_counter()
-            if round_index >= warmup:
-                times["iteration"].append(end - start)
-                times["backward"].append(before_step - before_backward)
-                times["step"].append(after_step - before_step)
-    return [
-        (name, net, {key: 1e3 * statistics.median(values) for key, values in times.items()})
-        for name, net, _, times in runs
-    ]
-
-
 def main() -> None:
-    """Print the table of ``time_variants`` and how far each variant's weights moved."""
+    """Print the times of each variant and how far its weights are from torch's."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeat", type=int, default=300, help="timed iterations (300)")
     args = parser.parse_args()
-    found = time_variants(args.repeat)
+    timed = bench_small.time_in_turns(list(VARIANTS.values()), repeat=args.repeat)
+    found = [(name, net, medians) for name, (net, medians) in zip(VARIANTS, timed, strict=True)]
     print(
         f"64 x Linear(64, 64), batch 16, autocast(float16), SGD with momentum, median of "
         f"{args.repeat}, ms (ratio to torch):\n"
@@ -202,7 +171,8 @@ def main() -> None:
             for key in ("iteration", "backward", "step")
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print(f"\nLargest relative difference from torch's weights after {5 + args.repeat} steps:")
+    steps = args.repeat + 7  # bench_small.time_in_turns's untimed iterations too
+    print(f"\nLargest relative difference from torch's weights after {steps} steps:")
     torch_net = found[0][1]
     for name, net, _ in found[1:]:
         moved = max(

@@ -347,7 +347,7 @@ def test_floor_script_times_each_variant_doing_torchs_update():
     for name in names:
         assert re.search(rf"^\| {re.escape(name)} \| [\d.]+ \([\d.]+x\) \|", result.stdout, re.M)
     # Every variant made torch's update: 64 x Linear(64, 64) under autocast(float16) has
-    # gradients float16 holds exactly, so the weights after 7 steps are torch's.
+    # gradients float16 holds exactly, so the weights at the end are torch's.
     moved = dict(re.findall(r"^- (.+): (\S+)$", result.stdout, re.M))
     assert list(moved) == names[1:]
     assert all(float(value) == 0.0 for value in moved.values()), moved
