@@ -25,7 +25,7 @@ iteration by iteration (``bench_small.time_in_turns``), on the same model and in
 It prints the median iteration, backward and step of each, in milliseconds and as a ratio to
 torch's, and how far each variant's weights are from torch's at the end.
 
-    python scripts/floor_small.py [--repeat 300]
+    python scripts/floor_small.py [--repeat 300] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -79,13 +79,15 @@ class MinimalStore:
         if len(params) != len(self.order) or any(map(operator.is_not, params, self.order)):
             self.order = params  # a new order: a new layout
             self.order_momentum = [self.momentum[id(p)] for p in params]
-            self.layout = RowLayout([p.numel() for p in params], torch.device("cpu"))
+            device = params[0].device
+            self.layout = RowLayout([p.numel() for p in params], device)
             self.runs = ViewRuns(
                 [p.shape for p in params],
                 [contiguous_strides(p.shape) for p in params],
                 self.layout.offsets,
             )
-            self.staging = torch.zeros(self.layout.elements)  # zero where the rows pad
+            # zero where the rows pad
+            self.staging = torch.zeros(self.layout.elements, device=device)
             self.staging_views = self.runs.views(self.staging)
         torch._foreach_copy_(self.staging_views, [p.grad for p in params])  # type: ignore[misc]
         rows = self.staging.view(self.layout.rows, ROW)
@@ -156,12 +158,15 @@ def main() -> None:
     """Print the times of each variant and how far its weights are from torch's."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeat", type=int, default=300, help="timed iterations (300)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
-    timed = bench_small.time_in_turns(list(VARIANTS.values()), repeat=args.repeat)
+    timed = bench_small.time_in_turns(
+        list(VARIANTS.values()), repeat=args.repeat, device=args.device
+    )
     found = [(name, net, medians) for name, (net, medians) in zip(VARIANTS, timed, strict=True)]
     print(
-        f"64 x Linear(64, 64), batch 16, autocast(float16), SGD with momentum, median of "
-        f"{args.repeat}, ms (ratio to torch):\n"
+        f"64 x Linear(64, 64) on {args.device}, batch 16, autocast(float16), SGD with momentum, "
+        f"median of {args.repeat}, ms (ratio to torch):\n"
     )
     print("| variant | iteration | backward | step |\n|---|---:|---:|---:|")
     reference = found[0][2]

@@ -3,7 +3,7 @@
 # under 5 minutes. It uses the machine's own torch (>= 2.10) and runs the package from this
 # checkout. The benchmark includes the many-small-parameters regime. Results go to $OUT (or
 # ./gpu-results): device.txt, pytest.txt, bench.txt, bench_gpu.json, in_backward.txt,
-# bench_in_backward_gpu.json, demo.txt.
+# bench_in_backward_gpu.json, floor.txt (scripts/floor_small.py), demo.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
@@ -20,6 +20,7 @@ timeout 200 python3 -m mixedopt.bench --device cuda --repeat 20 --json "$out/ben
 bench=${PIPESTATUS[0]}
 timeout 60 python3 -m mixedopt.bench_in_backward --device cuda --repeat 20 \
     --json "$out/bench_in_backward_gpu.json" 2>&1 | tee "$out/in_backward.txt"
+timeout 40 python3 scripts/floor_small.py --device cuda --repeat 100 2>&1 | tee "$out/floor.txt"
 timeout 60 python3 -m mixedopt --device cuda 2>&1 | tee "$out/demo.txt"
 echo "pytest exit $tests, bench exit $bench"
 exit $(( tests != 0 || bench != 0 ))
