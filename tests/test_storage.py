@@ -391,6 +391,24 @@ def test_the_scale_found_on_the_host_is_the_scale_found_on_the_device(values):
     assert power_of_two_scale_on_host(on_host) == power_of_two_scale(on_device).item()
 
 
+@given(st.floats(min_value=2.0**-119, max_value=torch.finfo(torch.float32).max, width=32))
+def test_the_storage_scale_puts_the_largest_magnitude_in_two_to_the_7_to_8(amax):
+    """The scale looked up in a table of binades is what frexp and its exponent give."""
+    from mixedopt._scales import power_of_two_scale
+
+    scale = power_of_two_scale(torch.tensor([amax])).item()
+    assert math.frexp(scale)[0] == 0.5  # a power of two
+    assert 2**7 <= amax * scale < 2**8
+
+
+@pytest.mark.parametrize("amax", [0.0, 1e-45, 2.0**-126, 2.0**-120])
+def test_zero_and_the_smallest_magnitudes_get_the_largest_storage_scale(amax):
+    from mixedopt._scales import power_of_two_scale, power_of_two_scale_on_host
+
+    assert power_of_two_scale(torch.tensor(amax)).item() == 2.0**126
+    assert power_of_two_scale_on_host(amax) == 2.0**126
+
+
 @given(values=st.lists(FLOAT32, min_size=1, max_size=6))
 def test_a_storage_scale_is_finite_whatever_the_gradient(values):
     """step() looks for inf and NaN in whole stats tables, scales included: only a bound may
