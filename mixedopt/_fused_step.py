@@ -318,8 +318,12 @@ class FusedSteps:
         )
         done = set(range(len(entries))) - set(left)
         advanced = [steps[i] for i in sorted(done)] if steps else []
-        if advanced:
-            torch._foreach_add_(advanced, 1 if skip is None else (~skip).float())
+        if advanced and skip is None:
+            torch._foreach_add_(advanced, 1)
+        elif advanced and skip is not None:
+            # A list of 0-dim tensors, as torch's fused Adam does: a 0-dim tensor in place of
+            # the list would be read on the host, as a Python number.
+            torch._foreach_add_(advanced, [(~skip).float()] * len(advanced))
         if left and skip is None:  # no compiler: the rest takes the default path
             rest = factors[self._workspace.index(left, device)]
             self._step_group(group, [entries[i] for i in left], rest)
