@@ -5,10 +5,12 @@ the storage wrote (``_bucket_store.py``), each bucket with its stats table (a st
 bound on the true gradient per row). When every gradient of a bucket belongs to this
 optimizer, is still that view, unchanged, and its parameter has its state, ``step()`` needs
 nothing per parameter but its state: the bucket's factors are a column of its stats table,
-its inf/NaN check another, its rows are upcast and unscaled with one multiplication into a
-float32 buffer of the same layout (bfloat16 rows without a loss scale are only copied: they
-hold true values), and its views go to the parent's functional update, per parameter group.
-That is ``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``).
+its inf/NaN check another. Buckets are joined into batches of up to ``budget(device).piece``
+elements (``_default_step.stored_batches``): a batch's rows are upcast with one copy into a
+float32 buffer of the same layouts and unscaled with one multiplication (bfloat16 rows without
+a loss scale are only copied: they hold true values), and its views go to the parent's
+functional update, per parameter group. That is ``BucketSteps`` (mixed into
+``MixedPrecisionOptimizer``).
 
 Everything else takes the reference path (``EntrySteps`` of ``_entry_step.py``: ``_entries``
 and ``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
@@ -29,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ._bucket_store import GroupIndex, WholeBucket
-from ._default_step import upcast_stored
+from ._default_step import stored_batches, upcast_stored
 from ._packing import Workspace, budget, dense
 from ._scales import any_non_finite
 from ._storage import GradientStorage
@@ -96,7 +98,7 @@ class BucketSteps:
         params = bucket.params
         if fused[index] and (
             not self._torch_fused
-            or max(bucket.layout.numels) > budget(bucket.stored.device).fused_small
+            or max(bucket.rows.layout.numels) > budget(bucket.rows.stored.device).fused_small
             or not dense(params)  # see _entry_step.EntrySteps._fused
         ):
             return None
@@ -114,7 +116,7 @@ class BucketSteps:
         self, bucket: WholeBucket, keys: list[frozenset[str]], fused: list[bool]
     ) -> list[Any] | None:
         """``_states_of`` for a bucket that spans groups, parameter by parameter."""
-        fused_small = budget(bucket.stored.device).fused_small
+        fused_small = budget(bucket.rows.stored.device).fused_small
         states = []
         for index, param in zip(bucket.indices, bucket.params, strict=True):
             if fused[index] and (
@@ -137,7 +139,7 @@ class BucketSteps:
 
         A bucket's factor per gradient is that over its storage scale (``_update_buckets``).
         """
-        device = buckets[0].stored.device
+        device = buckets[0].rows.stored.device
         unscale = None
         if grad_scale is not None:
             unscale = grad_scale.to(device=device, dtype=torch.float32).reciprocal()
@@ -153,26 +155,31 @@ class BucketSteps:
     def _update_buckets(
         self, buckets: list[WholeBucket], unscale: Tensor | None, skip: Tensor | None
     ) -> None:
-        """Update the parameters of ``buckets``, one bucket at a time.
+        """Update the parameters of ``buckets``, in batches of buckets (``budget(device).piece``).
 
         ``skip`` (on an accelerator, every group fused) goes to torch's fused update as
         ``found_inf``: nothing changes where it is set, without host synchronisation.
         """
         groups = self.param_groups
         keys = [self._state_keys(group) for group in groups]
-        for bucket in buckets:
-            device = bucket.stored.device
+        piece = budget(buckets[0].rows.stored.device).piece
+        for batch in stored_batches([bucket.rows for bucket in buckets], piece):
+            chosen = [buckets[i] for i in batch]
+            device = chosen[0].rows.stored.device
+            stats = chosen[0].stats
+            if len(chosen) > 1:
+                stats = torch.cat([bucket.stats.to(device) for bucket in chosen])
             # A bfloat16 bucket holds true values (storage scale 1, ``_storage_scales``): with
             # no loss scale either, there is nothing to multiply by.
-            factors, stats = None, None
+            factors, divisors = None, None
             if unscale is not None:
-                factors = unscale.to(device) / bucket.stats[:, 0].to(device)
-            elif bucket.stored.dtype != torch.bfloat16:
-                stats = bucket.stats  # divided by the storage scales
+                factors = unscale.to(device) / stats[:, 0].to(device)
+            elif chosen[0].rows.stored.dtype != torch.bfloat16:
+                divisors = stats  # divided by the storage scales
             grads = upcast_stored(
-                self._workspace, bucket.stored, bucket.layout, bucket.runs, factors, stats
+                self._workspace, [bucket.rows for bucket in chosen], factors, divisors
             )
-            for index, params, group_grads, states in self._by_group(bucket, grads):
+            for index, params, group_grads, states in _by_group(chosen, grads):
                 group = groups[index]
                 states = states if keys[index] else []
                 found = None if skip is None or not group.get("fused") else skip.to(device).float()
@@ -185,27 +192,35 @@ class BucketSteps:
                     found_inf=found,
                 )
 
-    @staticmethod
-    def _by_group(
-        bucket: WholeBucket, grads: list[Tensor]
-    ) -> list[tuple[int, list[Tensor], list[Tensor], list[Any]]]:
-        """``(group index, parameters, gradients, states)`` of each group ``bucket`` spans.
 
-        A bucket of one group (the common case) is taken as it is, without a step per row.
-        """
-        if len(bucket.groups) == 1:
-            (index,) = bucket.groups
-            # A copy of the list of views: the workspace keeps the one it made.
-            return [(index, bucket.params, list(grads), bucket.states)]
-        rows_of: dict[int, list[int]] = {}
-        for row, index in enumerate(bucket.indices):
-            rows_of.setdefault(index, []).append(row)
-        return [
-            (
-                index,
-                [bucket.params[row] for row in rows],
-                [grads[row] for row in rows],
-                [bucket.states[row] for row in rows],
-            )
-            for index, rows in rows_of.items()
-        ]
+def _by_group(
+    buckets: list[WholeBucket], grads: list[Tensor]
+) -> list[tuple[int, list[Tensor], list[Tensor], list[Any]]]:
+    """``(group index, parameters, gradients, states)`` of each group ``buckets`` span.
+
+    ``grads`` holds the gradients of every bucket, in order. Buckets of one group (the common
+    case) are taken as they are, without a step per row.
+    """
+    groups = set().union(*(bucket.groups for bucket in buckets))
+    if len(buckets) == 1:
+        params, indices, states = buckets[0].params, buckets[0].indices, buckets[0].states
+    else:
+        params = [p for bucket in buckets for p in bucket.params]
+        indices = [i for bucket in buckets for i in bucket.indices]
+        states = [s for bucket in buckets for s in bucket.states]
+    if len(groups) == 1:
+        (index,) = groups
+        # A copy of the list of views: the workspace keeps the one it made.
+        return [(index, params, list(grads), states)]
+    rows_of: dict[int, list[int]] = {}
+    for row, index in enumerate(indices):
+        rows_of.setdefault(index, []).append(row)
+    return [
+        (
+            index,
+            [params[row] for row in rows],
+            [grads[row] for row in rows],
+            [states[row] for row in rows],
+        )
+        for index, rows in rows_of.items()
+    ]

@@ -9,8 +9,9 @@ the end of ``backward()``.
 Storing a bucket is a fixed number of operations, whatever the number of its gradients
 (``_store_bucket``): copy them into a float32 staging buffer of rows, take the largest magnitude
 of each, compute the scales, and write all of them in one multiplication into one 16-bit buffer,
-of which each ``p.grad`` is a view with the parameter's layout. Where each gradient goes (its
-rows and views, ``_BucketPlan``) is kept, as a training loop fills the same buckets again.
+of which each ``p.grad`` is a view with the parameter's layout (on an accelerator eight
+launches in all; on a CPU a few more, each faster there). Where each gradient goes (its rows and
+views, ``_BucketPlan``) is kept, as a training loop fills the same buckets again.
 
 A stored bucket is remembered while its gradients live (``_StoredBucket``), for ``step()``: it
 updates the buckets whose gradients it takes whole (``whole_buckets``, ``_bucket_step.py``) and
@@ -20,8 +21,9 @@ Transient memory: a bucket's gradients (at most ``capacity`` float32 elements, w
 would have kept as ``.grad`` anyway), the staging buffer (``capacity`` float32 elements, kept
 between backwards, zero outside what a bucket writes; a large gradient stored alone on a CPU
 uses it as scratch space, ``_scratch``). Storing a bucket makes no float32 temporary of its
-size: the scaling is done in place in the staging rows, and the one new buffer is the 16-bit
-one the gradients then are.
+size: the scaling is done in place in the staging rows (on an accelerator, by the
+multiplication that writes the 16-bit buffer), and the one new buffer is the 16-bit one the
+gradients then are.
 
 Storage work (storing a bucket or a gradient alone, ``flush``) is marked with
 ``_deferring_releases``, defined here with the first of them: an optimizer's release that
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 import operator
 import weakref
 from collections.abc import Callable
@@ -41,7 +44,7 @@ import torch
 from torch import Tensor
 
 from . import _packing
-from ._packing import ROW, LayoutCache, RowLayout, ViewRuns
+from ._packing import ROW, LayoutCache, RowLayout, StoredRows, ViewRuns
 
 if TYPE_CHECKING:
     from ._storage import GradientStorage, _Slot
@@ -163,7 +166,7 @@ class _StoredBucket:
 class WholeBucket:
     """A stored bucket all of whose gradients a ``step()`` takes (``whole_buckets``)."""
 
-    __slots__ = ("stats", "params", "indices", "groups", "stored", "layout", "runs", "states")
+    __slots__ = ("stats", "params", "indices", "groups", "rows", "states")
 
     def __init__(
         self,
@@ -177,9 +180,7 @@ class WholeBucket:
         self.params = params  # the parameter of each row, in row order
         self.indices = indices  # the index of each one's group
         self.groups = set(indices)
-        self.stored = stored  # the 16-bit buffer of rows, and its layout and views
-        self.layout: RowLayout = plan.layout
-        self.runs: ViewRuns = plan.runs
+        self.rows = StoredRows(stored, plan.layout, plan.runs)  # its 16-bit rows
         self.states: list[Any] = []  # the optimizer's state of each parameter (step())
 
 
@@ -255,7 +256,7 @@ class BucketStores:
     _consumed: int
     _hand_over: Callable[[list[_Slot]], None]
     _inverse_scales: Callable[[list[_Slot], list[Tensor]], list[Tensor]]
-    _storage_scales: Callable[[Tensor], Tensor]
+    _storage_scales: Callable[..., Tensor]
 
     @_deferring_releases
     @torch.no_grad()
@@ -281,15 +282,26 @@ class BucketStores:
             earlier = list(previous.values())
             inverse = self._inverse_scales([slots[i] for i in added], earlier)
             torch._foreach_addcmul_([views[i] for i in added], earlier, inverse)
-        # Largest magnitude per tensor (NaN and inf propagate), then the scales. Two reductions
-        # rather than abs(): no temporary of the bucket's size.
-        amax = layout.per_tensor_max(torch.maximum(rows.amax(dim=1), -rows.amin(dim=1)))
+        # Largest magnitude per tensor (NaN and inf propagate), then the scales.
+        on_host = _packing.budget(device).on_host
+        if on_host:
+            # Two reductions rather than abs(): no temporary of the bucket's size, and many
+            # times faster on a CPU than an inf-norm per row.
+            row_max = torch.maximum(rows.amax(dim=1), -rows.amin(dim=1))
+        else:
+            row_max = torch.linalg.vector_norm(rows, math.inf, dim=1)  # one launch
+        amax = layout.per_tensor_max(row_max)
         scales = self._storage_scales(amax)
-        # Scale in float32 in place (the staging rows are not needed after), then round to
-        # grad_dtype into a new buffer of rows: two vectorised passes, faster than one
-        # multiplication into a 16-bit output, which computes into a float32 temporary first.
-        rows.mul_(layout.per_row(scales))
-        stored = rows.to(self.grad_dtype)
+        if on_host:
+            # Scale in float32 in place (the staging rows are not needed after), then round to
+            # grad_dtype into a new buffer of rows: two vectorised passes, faster on a CPU than
+            # one multiplication into a 16-bit output, which computes into a float32
+            # temporary first.
+            rows.mul_(layout.per_row(scales))
+            stored = rows.to(self.grad_dtype)
+        else:
+            stored = torch.empty(rows.shape, dtype=self.grad_dtype, device=device)
+            torch.mul(rows, layout.per_row(scales), out=stored)  # one launch
         stats = torch.stack([scales, amax], dim=1)
         self._remember(stats, stored, plan, slots)
         version = stored._version
@@ -313,17 +325,16 @@ class BucketStores:
             del found[key]
         found[id(stats)] = _StoredBucket(stats, stored, plan, slots)
 
-    def stored_bucket(self, stats: Tensor) -> tuple[Tensor, RowLayout, ViewRuns] | None:
+    def stored_bucket(self, stats: Tensor) -> StoredRows | None:
         """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
 
-        ``(buffer, layout, views)``: the buffer is ``layout.rows x ROW``; row ``i`` of ``stats``
-        is the ``i``-th view. ``None`` once the gradients are gone.
+        Row ``i`` of ``stats`` is the ``i``-th view. ``None`` once the gradients are gone.
         """
         record = self._stored.get(id(stats))
         if record is None or record.stats() is not stats:
             return None
         stored = record.stored()
-        return None if stored is None else (stored, record.plan.layout, record.plan.runs)
+        return None if stored is None else StoredRows(stored, record.plan.layout, record.plan.runs)
 
     def whole_buckets(self, groups: GroupIndex) -> tuple[list[WholeBucket], int]:
         """The stored buckets whose every gradient is the ``.grad`` of a parameter of ``groups``.

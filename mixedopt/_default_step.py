@@ -9,10 +9,16 @@ dense in one layout. A batch's gradients are upcast into a float32 buffer with o
 buffer), and the batch goes to torch's ``rmsprop()``, ``adam()`` or ``sgd()`` as lists, whole
 parameters as they are.
 
-A bucket that backward stored (``_bucket_store.py``), whose gradients all belong to this step's
-entries untouched, is a batch of its own taken faster: its 16-bit buffer of rows is upcast and
-unscaled with one multiplication into a float32 buffer of the same layout, without finding each
-gradient; ``batches`` is the reference it is tested against.
+The buckets that backward stored (``_bucket_store.py``), whose gradients all belong to this
+step's entries untouched, are taken faster: joined into batches of up to ``piece`` elements
+(``stored_batches``), a batch's 16-bit rows are upcast with one copy and unscaled with one
+multiplication into a float32 buffer of the same layouts, without finding each gradient;
+``batches`` is the reference it is tested against.
+
+On an accelerator a batch holds 64 Mi elements, and its float32 buffer (256 MiB) comes from the
+allocator for the batch and goes back after it (``Workspace.buffer``): the step's extra memory is
+one batch of float32 gradients and the temporaries of torch's update of one batch, and nothing
+stays between steps.
 """
 
 from __future__ import annotations
@@ -26,8 +32,7 @@ from torch import Tensor
 from ._distributed import local
 from ._packing import (
     Entry,
-    RowLayout,
-    ViewRuns,
+    StoredRows,
     Workspace,
     budget,
     dense_order,
@@ -39,7 +44,7 @@ from ._packing import (
 # The parent's functional update: (params, grads, states by key, step counters).
 Update = Callable[[list[Tensor], list[Tensor], dict[str, list[Any]], list[Tensor]], None]
 # GradientStorage.stored_bucket: a bucket's 16-bit rows, layout and views, from its stats table.
-StoredBucket = Callable[[Tensor], tuple[Tensor, RowLayout, ViewRuns] | None]
+StoredBucket = Callable[[Tensor], StoredRows | None]
 
 
 class Batch:
@@ -187,39 +192,65 @@ def _upcast_one(workspace: Workspace, param: Tensor, grad: Tensor, factor: Tenso
 
 def upcast_stored(
     workspace: Workspace,
-    stored: Tensor,
-    layout: RowLayout,
-    runs: ViewRuns,
+    buckets: Sequence[StoredRows],
     factors: Tensor | None,
     stats: Tensor | None = None,
 ) -> list[Tensor]:
-    """Float32 ``grad * factor`` of each gradient of a stored bucket (``factors`` one each).
+    """Float32 ``grad * factor`` of each gradient of stored buckets (``factors`` one each).
 
-    Views of the workspace's float32 buffer in the bucket's layout, written from its 16-bit
-    rows (``stored``, ``layout.rows x ROW``). ``factors=None``: every factor is 1, and the copy
-    is all; with ``stats`` (the bucket's stats table) each gradient is divided by its storage
-    scale instead, which gives what multiplying by its inverse does (a power of two), in two
-    operations fewer.
+    Views of one float32 buffer in the buckets' layouts, one after the other, written from
+    their 16-bit rows (``stored``, ``layout.rows x ROW``) with one copy for all.
+    ``factors=None``: every factor is 1, and the copy is all; with ``stats`` (the buckets'
+    stats tables, joined) each gradient is divided by its storage scale instead, which gives
+    what multiplying by its inverse does (a power of two), in two operations fewer.
     """
-    rows, grads = workspace.run_views("grad", torch.float32, layout, runs, stored.device)
+    device = buckets[0].stored.device
+    plans = [(bucket.layout, bucket.runs) for bucket in buckets]
+    rows, parts, grads = workspace.run_views("grad", torch.float32, plans, device)
     # A copy, then a float32 multiplication (or division): faster on a CPU than one operation
     # from 16-bit inputs, which does not vectorise there.
-    rows.copy_(stored)
+    if len(buckets) == 1:
+        rows.copy_(buckets[0].stored)
+    else:
+        torch._foreach_copy_(parts, [bucket.stored for bucket in buckets])
+    if factors is None and stats is None:
+        return grads
+    layout = buckets[0].layout
+    if len(buckets) > 1:
+        layout = workspace.layout([n for layout, _ in plans for n in layout.numels], device)
     if factors is not None:
         rows.mul_(layout.per_row(factors))
     elif stats is not None:
-        rows.div_(layout.per_row_first(stats.to(stored.device)))
+        rows.div_(layout.per_row_first(stats.to(device)))
     return grads
+
+
+def stored_batches(buckets: Sequence[StoredRows], piece: int) -> list[list[int]]:
+    """The indices of ``buckets``, in order, in batches of at most ``piece`` elements.
+
+    A batch is of one device; a bucket larger than ``piece`` is a batch of its own.
+    """
+    found: list[list[int]] = []
+    filled = 0
+    device = None
+    for i, bucket in enumerate(buckets):
+        elements = bucket.layout.elements
+        if not found or filled + elements > piece or bucket.stored.device != device:
+            found.append([])
+            filled, device = 0, bucket.stored.device
+        found[-1].append(i)
+        filled += elements
+    return found
 
 
 def _whole_buckets(
     entries: list[Entry], stored_bucket: StoredBucket, device: torch.device
-) -> tuple[list[tuple[list[int], Tensor, RowLayout, ViewRuns]], list[int]]:
+) -> tuple[list[tuple[list[int], StoredRows]], list[int]]:
     """The buckets of ``entries`` that can be upcast from their rows, and the other entries.
 
     A bucket qualifies when every gradient it stored is one of ``entries``, untouched since
-    backward stored it, with state to update. Each comes as ``(positions in row order, 16-bit
-    rows, layout, views)``; the others as their positions.
+    backward stored it, with state to update. Each comes as ``(positions in row order, its
+    rows)``; the others as their positions.
     """
     by_bucket: dict[int, list[int]] = {}
     for i, e in enumerate(entries):
@@ -230,12 +261,12 @@ def _whole_buckets(
         stats = entries[positions[0]].stats
         assert stats is not None
         found = stored_bucket(stats) if len(positions) == stats.shape[0] else None
-        if found is None or found[0].device != device:
+        if found is None or found.stored.device != device:
             continue
         ordered = [0] * len(positions)
         for i in positions:
             ordered[entries[i].row] = i
-        whole.append((ordered, *found))
+        whole.append((ordered, found))
         taken.update(positions)
     return whole, [i for i in range(len(entries)) if i not in taken]
 
@@ -255,13 +286,15 @@ def default_update(
     are taken in batches (``batches``), the reference path.
     """
     device = factors.device
+    piece = budget(device).piece
     rest = list(range(len(entries)))
     if stored_bucket is not None:
         whole, rest = _whole_buckets(entries, stored_bucket, device)
-        for ordered, stored, layout, runs in whole:
+        for joined in stored_batches([rows for _, rows in whole], piece):
+            ordered = [i for b in joined for i in whole[b][0]]
             chosen = [entries[i] for i in ordered]
             bucket_factors = factors[workspace.index(ordered, device)]
-            grads = upcast_stored(workspace, stored, layout, runs, bucket_factors)
+            grads = upcast_stored(workspace, [whole[b][1] for b in joined], bucket_factors)
             states = {key: [e.state.get(key) for e in chosen] for key in keys}
             steps = [step for e in chosen if (step := e.state.get("step")) is not None]
             update([e.param for e in chosen], grads, states, steps)
@@ -274,7 +307,7 @@ def default_update(
     # memory passes finds its data evicted from the caches and runs several times slower
     # (measured on 16 x 2M elements: 6 ms against 2 ms). A batch holds views, and nothing else
     # of a tensor's size (``_pieces``).
-    for batch in list(batches(entries, keys, budget(device).piece)):
+    for batch in list(batches(entries, keys, piece)):
         grads = _upcast(workspace, batch, factors)
         update(batch.params, grads, dict(zip(keys, batch.states, strict=True)), batch.steps)
         batch.copy_created()

@@ -119,8 +119,11 @@ class EntrySteps:
         """Update each group's entries and ``buckets``; ``False`` where the step is skipped.
 
         Skipped, nothing changed, when GradScaler's ``found_inf`` is set or a gradient is inf
-        or NaN. Fused steps on an accelerator decide that on the device (and return ``True``)
-        unless ``on_host``. ``buckets`` take their own path (``BucketSteps``).
+        or NaN. The default path reads that flag on the host: on an accelerator, the one host
+        synchronisation of a step (torch's foreach and for-loop updates cannot skip on the
+        device). Fused steps on an accelerator decide it on the device (and return ``True``)
+        unless ``on_host``: no synchronisation. ``buckets`` take their own path
+        (``BucketSteps``).
         """
         entries = [e for _, group_entries in steps for e in group_entries]
         skips, factors = [], None
@@ -135,9 +138,10 @@ class EntrySteps:
         fused = all(self._fused_ready(group, entries) for group, entries in steps) and all(
             self._fused_ready(self.param_groups[index], []) for index in bucket_groups
         )
-        on_device = fused and skip.device.type != "cpu" and not on_host
+        on_device = fused and not on_host and not _packing.budget(skip.device).on_host
         # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
-        # old values where it is set, without host synchronisation.
+        # old values where it is set, without host synchronisation, and the default path
+        # synchronises once, here.
         if not on_device and bool(skip):
             return False
         if buckets:

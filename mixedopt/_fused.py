@@ -33,6 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ._packing import budget
+
 
 def _write(destination: Tensor, new: Tensor, skip: Tensor | None) -> None:
     """``destination = new``, or unchanged where ``skip`` (a 0-dim bool tensor) is set."""
@@ -146,11 +148,12 @@ def adam_step_coefficients(
     computed in float64 and rounded to float32. The kernel multiplies by the inverse where torch
     divides (a division per element costs more than the memory traffic on a CPU): at most an ulp
     apart. Counters on the CPU are read (free there), and each distinct count is computed once
-    in Python, as torch.optim computes it; counters on an accelerator stay there.
+    in Python, as torch.optim computes it; counters on an accelerator stay there (no read: a
+    read is a host synchronisation).
     """
     if isinstance(lr, Tensor):
         lr = lr.reshape(())  # torch accepts a one-element tensor of any shape
-    if steps.device.type == "cpu" and not isinstance(lr, Tensor):
+    if budget(steps.device).on_host and not isinstance(lr, Tensor):
         counts = steps.tolist()
         by_count: dict[float, tuple[float, float]] = {}
         for count in counts:

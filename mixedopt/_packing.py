@@ -13,7 +13,10 @@ maximum per tensor with one ``segment_reduce``.
 How much is packed, per device, is set here too (``budget``): a buffer holds at most
 ``capacity`` elements (which bounds the memory it costs), and only tensors up to a size are
 packed. On a CPU a tensor of more than 32Ki elements costs less on its own (its bytes outweigh a
-few dispatches); on an accelerator launches dominate up to millions of elements.
+few dispatches); on an accelerator launches dominate up to millions of elements, and the
+default step takes 64 Mi elements at a time. The budget also says whether the device is the
+host (``on_host``): the few places where a CPU and an accelerator take different operations
+ask it, so that tests run the accelerator's on the CPU (``CPU_BUDGET``).
 
 For ``step()``: ``Entry`` is a parameter with a gradient as ``step()`` sees it, ``packs`` groups
 entries (``fused=True``), and ``Workspace`` keeps, between steps, the buffers both update paths
@@ -25,7 +28,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -49,47 +53,67 @@ CPU_SMALL = 1 << 15
 # 0.82-0.93x vs 1.30-1.48x in runs where the allocator returned the larger ones to the system),
 # 0.65x vs 0.70x on 16 x 2M; SGD 1.12x vs 1.15x.
 CPU_PIECE = 1 << 19
+# On an accelerator: the largest gradient backward stores in a bucket with others (a larger one
+# is stored alone, in four launches), so that every bucket stored during backward holds three
+# gradients at least.
+ACCELERATOR_BUCKET_SMALL = 1 << 20
 # On an accelerator: the largest parameter fused=True packs (a compiled call costs tens of
 # microseconds of Python, a copy of 1 Mi elements a few microseconds).
 ACCELERATOR_FUSED_SMALL = 1 << 20
+# On an accelerator: elements of one batch of the default step (256 MiB of float32). A batch
+# costs a few launches beyond torch's own update whatever its size; at 64 Mi elements they are
+# a few percent of the memory time of its update.
+ACCELERATOR_BATCH = 1 << 26
+# The CPU's budget when set (tests give it an accelerator's, ``accelerator_budget``, to run the
+# accelerator path on the CPU); None: the CPU's own, from the limits above.
+CPU_BUDGET: Budget | None = None
 
 
 @dataclass(frozen=True)
 class Budget:
-    """How much is packed on a device.
+    """How much is packed on a device, and what the device is.
 
-    ``capacity``: elements in one bucket, slice or pack (the memory a buffer costs).
+    ``capacity``: elements in one bucket, slice or pack (the memory a buffer costs), and the
+    largest buffer a ``Workspace`` keeps between steps.
     ``bucket_small``: the largest gradient backward stores in a bucket with others.
     ``fused_small``: the largest parameter ``fused=True`` packs with others (weights, gradient
     and state copied in and out around one compiled call).
     ``piece``: elements in one batch of the default step, a larger parameter cut into 1-D
-    pieces of this size (a bucket backward stored whole is one batch all the same).
+    pieces of this size.
+    ``on_host``: the device is the host (a CPU): a value is read there without synchronising
+    with a device, and fresh memory costs the system's page faults at the first write.
+    Elsewhere every operation is a kernel launch, and a read a synchronisation.
     """
 
     capacity: int
     bucket_small: int
     fused_small: int
     piece: int
+    on_host: bool
 
 
 def budget(device: torch.device) -> Budget:
     """The packing budget of ``device`` (read at call time, so that tests can change it)."""
     if device.type == "cpu":
-        return _cpu_budget(CPU_CAPACITY, CPU_SMALL, CPU_PIECE)
-    return _accelerator_budget(ACCELERATOR_CAPACITY, ACCELERATOR_FUSED_SMALL)
+        return CPU_BUDGET or _cpu_budget(CPU_CAPACITY, CPU_SMALL, CPU_PIECE)
+    return accelerator_budget(
+        ACCELERATOR_CAPACITY, ACCELERATOR_BUCKET_SMALL, ACCELERATOR_FUSED_SMALL, ACCELERATOR_BATCH
+    )
 
 
 # Kept per value of the limits: backward asks for a budget once per gradient stored alone.
 @functools.cache
 def _cpu_budget(capacity: int, small: int, piece: int) -> Budget:
     small = min(small, capacity)
-    return Budget(capacity, small, small, min(piece, capacity))
+    return Budget(capacity, small, small, min(piece, capacity), on_host=True)
 
 
 @functools.cache
-def _accelerator_budget(capacity: int, fused_small: int) -> Budget:
-    # Launches dominate: backward buckets whatever fits.
-    return Budget(capacity, capacity, min(fused_small, capacity), capacity)
+def accelerator_budget(capacity: int, bucket_small: int, fused_small: int, batch: int) -> Budget:
+    """The budget of an accelerator with these limits (tests give it to the CPU too)."""
+    return Budget(
+        capacity, min(bucket_small, capacity), min(fused_small, capacity), batch, on_host=False
+    )
 
 
 def rows_for(numel: int) -> int:
@@ -289,6 +313,17 @@ class ViewRuns:
         return found
 
 
+class StoredRows(NamedTuple):
+    """A bucket backward stored: its 16-bit buffer of rows, their layout, and each view's runs.
+
+    ``stored`` is ``layout.rows x ROW``; ``runs`` makes the view of each gradient, in order.
+    """
+
+    stored: Tensor
+    layout: RowLayout
+    runs: ViewRuns
+
+
 class Entry:
     """A parameter with a gradient, as ``step()`` sees it (one is made per parameter per step)."""
 
@@ -356,8 +391,11 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, str, torch.dtype], Tensor] = {}
         self._views: dict[tuple[Any, ...], Tensor] = {}
-        # (buffer key, id(runs)) -> (runs, their views of the buffer, its rows they take)
-        self._run_views: dict[tuple[Any, ...], tuple[ViewRuns, list[Tensor], Tensor]] = {}
+        # (buffer key, ids of runs) -> (the runs, the rows of the buffer they take, the rows of
+        # each, their views of the buffer)
+        self._run_views: dict[
+            tuple[Any, ...], tuple[list[ViewRuns], Tensor, list[Tensor], list[Tensor]]
+        ] = {}
         self._layouts = LayoutCache()
         self._indices = IndexCache()
         # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
@@ -396,7 +434,15 @@ class Workspace:
         return self._indices.get(positions, device)
 
     def buffer(self, role: str, dtype: torch.dtype, device: torch.device, elements: int) -> Tensor:
-        """The flat buffer of ``role``, at least ``elements`` long."""
+        """The flat buffer of ``role``, at least ``elements`` long.
+
+        Kept between steps, zero at first, up to the device's ``capacity`` elements. A longer
+        one (a batch of the default step on an accelerator) is new memory each time, left
+        uninitialised, which the allocator takes back once the batch is done (``keeps``): the
+        default step reads only the views of gradients it wrote there.
+        """
+        if not self.keeps(device, elements):
+            return torch.empty(elements, dtype=dtype, device=device)
         key = (device, role, dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < elements:
@@ -405,19 +451,44 @@ class Workspace:
             self._run_views = {k: v for k, v in self._run_views.items() if k[0] != key}
         return buffer
 
+    @staticmethod
+    def keeps(device: torch.device, elements: int) -> bool:
+        """Whether a buffer of ``elements`` is kept between steps, with its views."""
+        return elements <= budget(device).capacity
+
     def run_views(
-        self, role: str, dtype: torch.dtype, layout: RowLayout, runs: ViewRuns, device: torch.device
-    ) -> tuple[Tensor, list[Tensor]]:
-        """The ``(rows, ROW)`` buffer of ``role`` for ``layout``, and the views ``runs`` make."""
-        buffer = self.buffer(role, dtype, device, layout.elements)
-        key = ((device, role, dtype), id(runs))
-        found = self._run_views.get(key)
-        if found is None or found[0] is not runs:
-            if len(self._run_views) >= 64:
-                self._run_views.clear()
-            rows = buffer[: layout.elements].view(layout.rows, ROW)
-            found = self._run_views[key] = (runs, runs.views(buffer), rows)
-        return found[2], found[1]
+        self,
+        role: str,
+        dtype: torch.dtype,
+        plans: Sequence[tuple[RowLayout, ViewRuns]],
+        device: torch.device,
+    ) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """One buffer of ``role`` for buckets of rows, one after the other, and views of it.
+
+        ``plans`` holds each bucket's layout and the views its ``runs`` make. Returns the
+        buffer's rows, each bucket's rows, and every gradient's view, in order.
+        """
+        elements = sum(layout.elements for layout, _ in plans)
+        buffer = self.buffer(role, dtype, device, elements)
+        kept = self.keeps(device, elements)
+        key = ((device, role, dtype), tuple(id(runs) for _, runs in plans))
+        found = self._run_views.get(key) if kept else None
+        if found is None or any(
+            mine is not runs for mine, (_, runs) in zip(found[0], plans, strict=True)
+        ):
+            parts, views = [], []
+            start = 0
+            for layout, runs in plans:
+                parts.append(buffer[start : start + layout.elements].view(layout.rows, ROW))
+                views += runs.views(buffer[start:])
+                start += layout.elements
+            rows = buffer[:elements].view(-1, ROW)
+            found = ([runs for _, runs in plans], rows, parts, views)
+            if kept:
+                if len(self._run_views) >= 64:
+                    self._run_views.clear()
+                self._run_views[key] = found
+        return found[1], found[2], found[3]
 
     def rows(
         self, role: str, dtype: torch.dtype, layout: RowLayout, params: Sequence[Tensor]
@@ -430,6 +501,10 @@ class Workspace:
         device = params[0].device
         buffer = self.buffer(role, dtype, device, layout.elements)
         buffer_key = (device, role, dtype)
+        rows = buffer[: layout.elements].view(layout.rows, ROW)
+        if not self.keeps(device, layout.elements):
+            strides = map(dense_strides, params)
+            return rows, list(map(view_in, repeat(buffer), layout.offsets, params, strides))
         views = []
         cached = self._views
         for p, offset in zip(params, layout.offsets, strict=True):
@@ -440,7 +515,7 @@ class Workspace:
                     cached.clear()
                 view = cached[key] = view_in(buffer, offset, p, dense_strides(p))
             views.append(view)
-        return buffer[: layout.elements].view(layout.rows, ROW), views
+        return rows, views
 
 
 def by_device(

@@ -144,15 +144,15 @@ class StorageScales:
         )
         return list(stats[:, 0].reciprocal().unbind())
 
-    def _storage_scales(self, amax: Tensor) -> Tensor:
-        """The storage scale of each gradient of largest magnitude ``amax``.
+    def _storage_scales(self, amax: Tensor, out: Tensor | None = None) -> Tensor:
+        """The storage scale of each gradient of largest magnitude ``amax`` (into ``out``).
 
         float16 needs one (its range is narrow); bfloat16 has float32's range, so it stores true
         values (scale 1) and code that reads ``p.grad`` sees the gradient itself.
         """
         if self.grad_dtype == torch.float16:
-            return power_of_two_scale(amax)
-        return torch.ones_like(amax)
+            return power_of_two_scale(amax, out=out)
+        return torch.ones_like(amax) if out is None else out.fill_(1.0)
 
     def _storage_scale_on_host(self, amax: float) -> float:
         """``_storage_scales`` of one largest magnitude read on the host."""
@@ -170,24 +170,29 @@ class StorageScales:
         stored = torch.empty_strided(
             param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
         )
-        scale: Tensor | float
-        if true.device.type == "cpu":
-            # Reading a value costs nothing on a CPU: the scale is found on the host, nine
-            # operations fewer than on the device (inside backward each costs tens of us).
+        if _packing.budget(true.device).on_host:
+            # Reading a value costs nothing on a CPU: the scale is found on the host, and the
+            # gradient scaled in pieces through the staging buffer where that is faster.
             amax = abs_max_on_host(true)
             scale = self._storage_scale_on_host(amax)
             stats = torch.tensor([[scale, amax]], dtype=torch.float32)
+            self._scale_into(stored, true, scale)
         else:
-            device_amax = abs_max(true)
-            scale = self._storage_scales(device_amax)
-            stats = torch.stack([scale, device_amax]).unsqueeze(0)
-        self._scale_into(stored, true, scale)
+            # Four launches, each writing where the next reads: the largest magnitude into the
+            # stats row, the scale beside it (``power_of_two_scale``'s two), the scaled rounding.
+            stats = torch.empty((1, 2), dtype=torch.float32, device=true.device)
+            if true.numel():
+                torch.linalg.vector_norm(true, math.inf, out=stats[0, 1])
+            else:  # no largest magnitude (the inf-norm refuses): 0, as ``abs_max`` gives
+                stats[0, 1].zero_()
+            self._storage_scales(stats[0, 1], out=stats[0, 0])
+            torch.mul(true, stats[0, 0], out=stored)
         slot.record(stored, stats, 0, stored._version)
         if slot.consumer is not None:
             slot.consumer([param])
 
-    def _scale_into(self, stored: Tensor, true: Tensor, scale: Tensor | float) -> None:
-        """``stored = true * scale``, computed in float32 and rounded to ``stored``'s dtype.
+    def _scale_into(self, stored: Tensor, true: Tensor, scale: float) -> None:
+        """``stored = true * scale`` on a CPU, in float32, rounded to ``stored``'s dtype.
 
         On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
         whole gradient first. For a gradient of up to ``SCRATCH_PIECE`` elements that temporary
@@ -200,7 +205,7 @@ class StorageScales:
         """
         size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
         numel = true.numel()
-        order = dense_order(stored) if true.device.type == "cpu" and numel > size else None
+        order = dense_order(stored) if numel > size else None
         flat_stored = None if order is None else flat_view(stored, order)
         flat_true = None if order is None else flat_view(true, order)
         if flat_stored is None or flat_true is None:

@@ -30,7 +30,9 @@ How it gets there (PyTorch >= 2.10)
       its parameters or fills the bucket; until then, the gradients that backward brings wait
       with it, in ``p.grad``, float32, and ``step()`` stores them first.
     * A larger gradient is stored at once, on its own (``_store_alone``): its bytes outweigh
-      the few operations that costs. It is also the plain reference of the bucket path.
+      the few operations that costs (on an accelerator four launches: its largest magnitude,
+      two for the scale, the scaled rounding; on a CPU the scale is found on the host). It is
+      also the plain reference of the bucket path.
     * Gradient accumulation: a gradient already in ``p.grad`` when a new one arrives (stored by
       mixedopt, or assigned by hand) is added to it in float32 before the sum is scaled, so the
       sum is rounded to 16 bits once and its scale fits the sum itself.

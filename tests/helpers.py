@@ -113,7 +113,7 @@ def scenarios(draw):
         shapes=draw(SHAPES),
         magnitudes=draw(st.lists(st.floats(-9, 6), min_size=1, max_size=4)),
         steps=draw(st.integers(1, 4)),
-        slice_elements=draw(st.sampled_from([1 << 20, 7, 1])),
+        packing=draw(st.sampled_from([1 << 20, 7, 1, *ACCELERATOR_BUDGETS])),
         seed=draw(st.integers(0, 2**16)),
     )
 
@@ -132,6 +132,29 @@ def setting(owner, name, value):
 def slice_elements(n):
     """Make step() cut the gradients into slices of ``n`` elements (on the CPU)."""
     return setting(mixedopt._packing, "CPU_CAPACITY", n)
+
+
+# Accelerators' budgets, small enough for small tensors, given to the CPU: every branch mixedopt
+# takes on an accelerator (the four-launch store of a gradient alone, buckets rounded in one
+# multiplication, buckets joined into the step's batches or parameters cut into pieces, the
+# skip decided on the device by fused=True) runs on the CPU. Gradients of more than 16 elements
+# are stored alone.
+ACCELERATOR_BUDGETS = {
+    "accelerator, joined batches": mixedopt._packing.accelerator_budget(128, 16, 16, 1 << 20),
+    "accelerator, pieces of 40": mixedopt._packing.accelerator_budget(128, 16, 16, 40),
+}
+
+
+def accelerator_budget(name="accelerator, joined batches"):
+    """Give the CPU an accelerator's budget for the block (``ACCELERATOR_BUDGETS``)."""
+    return setting(mixedopt._packing, "CPU_BUDGET", ACCELERATOR_BUDGETS[name])
+
+
+def packing(choice):
+    """The CPU's budget for the block: slices of ``choice`` elements, or an accelerator's."""
+    if isinstance(choice, int):
+        return slice_elements(choice)
+    return accelerator_budget(choice)
 
 
 def update_batch(n):

@@ -20,7 +20,11 @@ COUNT = 16
 # One child process per measurement (helpers.peak_in_child): the peak is reset just before the
 # step.
 MEASURE = """
-library, name, fused, numel, count = sys.argv[1:6]
+library, name, fused, numel, count, batch = sys.argv[1:7]
+if int(batch):  # an accelerator's budget, batches of ``batch`` elements in the default step
+    mixedopt._packing.CPU_BUDGET = mixedopt._packing.accelerator_budget(
+        1 << 22, 1 << 20, 1 << 20, int(batch)
+    )
 kwargs = {"momentum": 0.9} if name == "SGD" else {}
 params = [torch.nn.Parameter(torch.randn(int(numel))) for _ in range(int(count))]
 if library == "torch":
@@ -40,8 +44,10 @@ print(json.dumps({"extra": status("VmHWM") - before}))
 """
 
 
-def peak_extra_bytes(library, name, fused=False):
-    return peak_in_child(MEASURE, library, name, "fused" if fused else "default", NUMEL, COUNT)
+def peak_extra_bytes(library, name, fused=False, batch=0):
+    return peak_in_child(
+        MEASURE, library, name, "fused" if fused else "default", NUMEL, COUNT, batch
+    )
 
 
 BOUND = 64 * MiB + 1.25 * NUMEL * 4  # issue's bound: 64 MiB + 1.25 x the largest fp32 parameter
@@ -54,6 +60,16 @@ def test_default_step_extra_memory_is_bounded(name):
 
 def test_fused_step_extra_memory_is_bounded():
     assert peak_extra_bytes("mixedopt", "Adam", fused=True) <= BOUND
+
+
+BATCH = 1 << 23  # four of the 2M-element parameters, in float32 32 MiB
+
+
+@pytest.mark.parametrize("name", ["RMSprop", "Adam", "SGD"])
+def test_default_step_extra_memory_on_an_accelerator_is_at_most_two_batches(name):
+    """The batch's float32 gradients, and the temporaries of torch's update of the batch (Adam,
+    RMSprop: one batch more); 64 Mi elements a batch on an accelerator: 512 MiB."""
+    assert peak_extra_bytes("mixedopt", name, batch=BATCH) <= 2 * 4 * BATCH
 
 
 def test_the_measurement_sees_a_full_size_temporary():

@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, Twins, scenarios, slice_elements
+from helpers import OPTIMIZERS, Twins, packing, scenarios, slice_elements
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -15,7 +15,7 @@ from torch import nn
 @given(scenarios())
 def test_step_matches_torch_optim_fed_the_same_fp32_gradients(s):
     twins = Twins(s["name"], s["kwargs"], s["shapes"], s["seed"])
-    with slice_elements(s["slice_elements"]):
+    with packing(s["packing"]):
         for step in range(s["steps"]):
             grads = twins.backward(s["magnitudes"][step % len(s["magnitudes"])])
             twins.feed_reference(grads)
@@ -32,7 +32,7 @@ def test_max_grad_norm_equals_clip_grad_norm_on_fp32_gradients(s, max_norm):
         grads = twins.backward(s["magnitudes"][step % len(s["magnitudes"])] / 3)
         twins.feed_reference(grads)
         total = torch.nn.utils.clip_grad_norm_(twins.ref_params, max_norm)
-        with slice_elements(s["slice_elements"]):  # norms of large gradients go slice by slice
+        with packing(s["packing"]):  # norms of large gradients go slice by slice
             twins.opt.step()
         twins.ref.step()
         torch.testing.assert_close(twins.opt.last_grad_norm, total)

@@ -10,7 +10,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, scenarios, slice_elements, update_batch
+from helpers import OPTIMIZERS, packing, scenarios, slice_elements, update_batch
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -76,7 +76,7 @@ def test_updating_backward_gives_the_weights_and_state_of_backward_then_step(
     # Small budgets make several buckets per backward and store larger gradients alone; a
     # batch of 0 updates each as it is stored, 100 some of them together, the default all of
     # these small models at the end of backward.
-    with slice_elements(s["slice_elements"]), update_batch(batch):
+    with packing(s["packing"]), update_batch(batch):
         magnitudes = s["magnitudes"]
         for step in range(s["steps"]):
             first = step * micro_batches
