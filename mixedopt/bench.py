@@ -43,6 +43,10 @@ Columns
       slower, since writing ``y`` also reads it into the cache first, and would put in-place
       updates above 100%. A step can still exceed 100% when its tensors fit in the caches.
 
+After the tables, the kernel launches and host synchronisations of the accelerator path,
+counted on meta parameters for small and large ``Linear`` layers (``mixedopt.bench_launches``;
+``--no-launches`` leaves them out): what a GPU pays per parameter, counted on any machine.
+
 On a CPU shared with other busy processes, torch's worker threads wait on one another at
 every operation and step times can grow tenfold; ``--threads 1`` gives steadier numbers there.
 
@@ -66,7 +70,7 @@ from typing import Any
 
 import torch
 
-from mixedopt import bench_small
+from mixedopt import bench_launches, bench_small
 
 from ._bench_format import format_iteration, format_table, machine_info
 from ._bench_memory import _CHILD_FLAG, child_memory, measure_memory_in_child
@@ -175,6 +179,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "least; see mixedopt.bench_small)",
     )
     parser.add_argument(
+        "--no-launches",
+        dest="launches",
+        action="store_false",
+        help="skip the kernel launches of the accelerator path, counted on meta parameters "
+        "(small and large Linear layers; see mixedopt.bench_launches)",
+    )
+    parser.add_argument(
         "--mlp-width", type=_positive, default=1024, help="MLP width for the iteration (1024)"
     )
     parser.add_argument(
@@ -244,6 +255,8 @@ def _run_count(args: argparse.Namespace, children: bool) -> int:
     if args.iteration:
         count += len(ITERATION_VARIANTS) + 1
     if args.small:
+        count += 1
+    if args.launches:
         count += 1
     return count
 
@@ -353,6 +366,13 @@ def _measure_and_print(
         out("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
         out()
         out(text)
+    launches: list[dict[str, Any]] = []
+    if args.launches:
+        progress("kernel launches of the accelerator path, counted on meta parameters")
+        counted = bench_launches.launch_table()
+        launches = [asdict(row) for row in counted]
+        out()
+        out(bench_launches.format_launch_table(counted))
     if args.json:
         document = {
             "machine": info,
@@ -369,6 +389,7 @@ def _measure_and_print(
             "rows": [asdict(row) for row in rows],
             "iteration": iteration,
             "small": small,
+            "launches": launches,
         }
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0

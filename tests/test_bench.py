@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixedopt import _bench_format, _bench_setup, _bench_timing, bench, bench_small
+from mixedopt import _bench_format, _bench_setup, _bench_timing, bench, bench_launches, bench_small
 
 NUMEL = 1 << 16
 PARAMS = 3
@@ -35,6 +35,7 @@ PERSISTENT = {
 
 SMALL = ["--numel", str(NUMEL), "--params", str(PARAMS), "--repeat", "2", "--warmup", "1"]
 SMALL += ["--stream-mib", "4", "--threads", "1", "--device", "cpu", "--no-iteration", "--no-small"]
+SMALL += ["--no-launches"]
 
 
 def _run(tmp_path, *extra):
@@ -258,6 +259,25 @@ def test_without_tqdm_the_iteration_and_small_parameter_phases_print_progress(
     assert "many small parameters" in lines[6]
     assert lines[-1].startswith(f"bench: {total} runs done")
     assert "small table" in captured.out
+
+
+def test_the_launches_of_the_accelerator_path_are_printed_and_written(
+    tmp_path, monkeypatch, capsys
+):
+    # One model and one optimizer: the counts themselves are tested in test_launches.py.
+    monkeypatch.setattr(bench_launches, "MODELS", {"Linear(64, 64)": (64, True)})
+    sgd = bench_launches.OPTIMIZERS["SGD momentum"]
+    monkeypatch.setattr(bench_launches, "OPTIMIZERS", {"SGD": sgd})
+    argv = [a for a in SMALL if a != "--no-launches"]
+    path = tmp_path / "bench.json"
+    argv += ["--optimizers", "sgd", "--variants", "mixedopt", "--no-memory", "--json", str(path)]
+    assert bench.main(argv) == 0
+    (row,) = json.loads(path.read_text())["launches"]
+    assert (row["model"], row["optimizer"]) == ("Linear(64, 64)", "SGD")
+    assert row["mixedopt"]["step"] > row["torch"]["step"] > 0
+    out = capsys.readouterr().out
+    assert "Kernel launches of the accelerator path" in out
+    assert re.search(r"Linear\(64, 64\)\s+SGD\s+\+0\s+\+0\s", out)
 
 
 def test_compile_column_is_empty_where_nothing_compiles(tmp_path):
