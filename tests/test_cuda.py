@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from helpers import OPTIMIZERS, relative_error
@@ -53,6 +55,24 @@ def test_backward_hooks_do_not_synchronise_with_the_host():
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert opt.grad_dtype == torch.float16
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_default_step_on_cuda_synchronises_with_the_host_once(name):
+    """To read whether a gradient is inf or NaN (``tests/test_launches.py`` counts it too)."""
+    params = [nn.Parameter(torch.randn(n, device="cuda")) for n in (10, 5000, 2_000_000)]
+    opt = OPTIMIZERS[name][0](params, lr=1e-3)
+    for step in range(3):  # the first two make the state and every kept tensor
+        sum((p * 2.0).sum() for p in params).backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                opt.step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        opt.zero_grad()
+    assert len([w for w in caught if "synchroniz" in str(w.message)]) == 1
 
 
 def test_small_gradients_keep_fp16_precision_on_cuda():
