@@ -217,7 +217,7 @@ def upcast_stored(
         return grads
     layout = buckets[0].layout
     if len(buckets) > 1:
-        layout = workspace.layout([n for layout, _ in plans for n in layout.numels], device)
+        layout = workspace.layout([n for part, _ in plans for n in part.numels], device)
     if factors is not None:
         rows.mul_(layout.per_row(factors))
     elif stats is not None:
@@ -281,9 +281,10 @@ def default_update(
 ) -> None:
     """Update ``entries`` (all on one device; ``factors`` one each) on the default path.
 
-    With ``stored_bucket``, the gradients of a bucket backward stored are upcast straight from
-    its 16-bit buffer with one multiplication, in its layout (a batch of its own); the others
-    are taken in batches (``batches``), the reference path.
+    With ``stored_bucket``, the gradients of the buckets backward stored are upcast straight
+    from their 16-bit buffers, buckets joined into batches (``stored_batches``, one copy and one
+    multiplication a batch); the others are taken in batches (``batches``), the reference
+    path.
     """
     device = factors.device
     piece = budget(device).piece

@@ -57,7 +57,7 @@ def _binade_scale(binade: int) -> float:
 
 
 # The storage scale of each binade: one table lookup replaces frexp and the arithmetic on its
-# exponent (two operations where that takes five, each a launch on an accelerator).
+# exponent (two operations where those take four, each a launch on an accelerator).
 _SCALES = [_binade_scale(i) for i in range(len(_BOUNDS) + 1)]
 _TABLES: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
