@@ -51,6 +51,21 @@ def fp32_grads(model: nn.Module, x: torch.Tensor, loss_scale: float = 1.0) -> li
     return list(torch.autograd.grad(loss, params))
 
 
+def params_of(shapes, seed=0):
+    """Parameters of the given shapes, of standard normal values (the same for a seed)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
+
+
+def backward_of_magnitudes(params, magnitudes, seed):
+    """One backward of sum(p * g), ``g`` of the given magnitude for each parameter."""
+    generator = torch.Generator().manual_seed(seed)
+    loss = 0
+    for p, magnitude in zip(params, magnitudes, strict=True):
+        loss = loss + (p * (torch.randn(p.shape, generator=generator) * 10.0**magnitude)).sum()
+    loss.backward()
+
+
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     exact = exact.double()
     denominator = torch.linalg.vector_norm(exact)

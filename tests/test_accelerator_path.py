@@ -17,29 +17,16 @@ import warnings
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, SHAPES, setting
+from helpers import OPTIMIZERS, SHAPES, params_of, setting
+from helpers import backward_of_magnitudes as backward
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
 import mixedopt._fused
 import mixedopt._packing
 from mixedopt._packing import accelerator_budget
-
-
-def params_of(shapes, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
-
-
-def backward(params, magnitudes, seed):
-    generator = torch.Generator().manual_seed(seed)
-    loss = 0
-    for p, magnitude in zip(params, magnitudes, strict=True):
-        loss = loss + (p * (torch.randn(p.shape, generator=generator) * 10.0**magnitude)).sum()
-    loss.backward()
 
 
 def on_accelerator(capacity=4096, small=1024, batch=1 << 20):

@@ -10,21 +10,15 @@ import contextlib
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, SHAPES, hyperparameters
+from helpers import OPTIMIZERS, SHAPES, hyperparameters, params_of
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
 import mixedopt._packing
 
 TAKE = mixedopt.MixedPrecisionOptimizer._take_whole_buckets
-
-
-def params_of(shapes, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
 
 
 def backward(params, seed, scaler=None, magnitude=0.0):

@@ -6,28 +6,14 @@ import os
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, SHAPES, peak_in_child
+from helpers import OPTIMIZERS, SHAPES, params_of, peak_in_child
+from helpers import backward_of_magnitudes as backward
 from hypothesis import example, given
 from hypothesis import strategies as st
-from torch import nn
 
 import mixedopt
 import mixedopt._default_step
 import mixedopt._packing
-
-
-def params_of(shapes, seed):
-    generator = torch.Generator().manual_seed(seed)
-    return [nn.Parameter(torch.randn(shape, generator=generator)) for shape in shapes]
-
-
-def backward(params, magnitudes, seed):
-    """One backward of sum(p * g) with ``g`` of the given magnitudes (one per parameter)."""
-    generator = torch.Generator().manual_seed(seed)
-    loss = 0
-    for p, magnitude in zip(params, magnitudes, strict=True):
-        loss = loss + (p * (torch.randn(p.shape, generator=generator) * 10.0**magnitude)).sum()
-    loss.backward()
 
 
 @given(

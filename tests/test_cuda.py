@@ -62,7 +62,7 @@ def test_default_step_on_cuda_synchronises_with_the_host_once(name):
     """To read whether a gradient is inf or NaN (``tests/test_launches.py`` counts it too)."""
     params = [nn.Parameter(torch.randn(n, device="cuda")) for n in (10, 5000, 2_000_000)]
     opt = OPTIMIZERS[name][0](params, lr=1e-3)
-    for step in range(3):  # the first two make the state and every kept tensor
+    for _ in range(3):  # the first two make the state and every kept tensor
         sum((p * 2.0).sum() for p in params).backward()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
