@@ -317,10 +317,16 @@ class EntrySteps:
         of small tensors (32Ki elements each on average, or fewer), where a dispatch per tensor
         and operation costs more than the temporaries it saves, and leaves the choice to torch
         otherwise (the for-loop implementation on a CPU, foreach on CUDA). Both give the same
-        result.
+        result. A tensor ``lr`` leaves it to torch too: torch's foreach Adam refuses one
+        without ``capturable`` (which mixedopt refuses), and torch's choice avoids it.
         """
         foreach = group["foreach"]
-        if foreach is None and params and params[0].device.type == "cpu":
+        if (
+            foreach is None
+            and params
+            and params[0].device.type == "cpu"
+            and not torch.is_tensor(group["lr"])
+        ):
             elements = sum(map(Tensor.numel, params))
             return elements <= _packing.CPU_SMALL * len(params)
         return foreach

@@ -266,6 +266,29 @@ def test_several_param_groups_keep_their_own_hyperparameters():
     torch.testing.assert_close(b.detach(), torch.full((2,), 0.5))
 
 
+@pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_tensor_learning_rate_steps_as_torch_optim_on_the_default_path(name, shape):
+    """PyTorch's test_tensor_lr: small tensors on a CPU take foreach by default in mixedopt,
+    which torch's Adam refuses with a tensor lr; torch's own choice, the for-loop, is kept."""
+    torch.manual_seed(0)
+    data = [torch.randn(10, 5), torch.randn(10)]
+    params, reference = (
+        [nn.Parameter(d.clone()) for d in data],
+        [nn.Parameter(d.clone()) for d in data],
+    )
+    opt = OPTIMIZERS[name][0](params, lr=torch.tensor(1e-3).reshape(shape), fused=False)
+    ref = OPTIMIZERS[name][1](reference, lr=torch.tensor(1e-3).reshape(shape))
+    for _ in range(3):
+        for p, q in zip(params, reference, strict=True):
+            q.grad = torch.randn(p.shape)
+            p.grad = q.grad.clone()
+        opt.step()
+        ref.step()
+    for p, q in zip(params, reference, strict=True):
+        torch.testing.assert_close(p, q)
+
+
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_is_a_subclass_of_the_torch_optimizer(name):
     mixed_cls, torch_cls = OPTIMIZERS[name]
