@@ -127,6 +127,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         self._group_index = GroupIndex()  # the group of each parameter, for whole buckets
         self._grad_storage = GradientStorage.shared(grad_dtype)
         self._held_params: set[int] = set()  # ids of the parameters this optimizer holds
+        self._fused_devices_checked: set[int] = set()  # ids of the fused groups checked
         # The storage does not reference the optimizer: its parameters are let go when it dies.
         self._release_storage: weakref.finalize = weakref.finalize(
             self, self._grad_storage.release, self._held_params
@@ -200,18 +201,23 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
                     "outside inference mode; create the parameters outside inference mode"
                 )
             self._grad_storage.check_can_manage(p)
-        self._check_fused_devices(group)
 
-    @staticmethod
-    def _check_fused_devices(group: dict[str, Any]) -> None:
+    def _check_fused_devices(self) -> None:
         """Raise torch's error for ``fused=True`` on a device it has no fused kernels for.
 
-        At construction, where torch.optim raises it at the first step: the compiled kernels and
-        torch's fused updates run on the same devices.
+        At a ``fused=True`` group's first step with gradients, before anything is updated, as
+        torch.optim raises it at the first step (the compiled kernels and torch's fused updates
+        run on the same devices). A group that failed is checked again at the next step, after
+        its parameters moved, say.
         """
-        if group.get("fused"):
-            for p in group["params"]:
+        for group in self.param_groups:
+            if not group.get("fused") or id(group) in self._fused_devices_checked:
+                continue
+            with_grad = [p for p in group["params"] if p.grad is not None]
+            for p in with_grad:
                 _device_dtype_check_for_fused(p)
+            if with_grad:
+                self._fused_devices_checked.add(id(group))
 
     def remove_grad_storage(self) -> None:
         """Stop storing gradients in ``grad_dtype`` for this optimizer's parameters.
@@ -290,6 +296,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
             with torch.enable_grad():
                 loss = closure()
         self._grad_storage.flush()  # gradients of a backward that ended early
+        self._check_fused_devices()
         grad_scale = getattr(self, "grad_scale", None)  # GradScaler's, during its step()
         found_inf = getattr(self, "found_inf", None)
         if self._updated_in_backward:

@@ -33,11 +33,6 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             self.defaults["fused"] = fused
             for group in self.param_groups:
                 group.setdefault("fused", fused)
-                try:
-                    self._check_fused_devices(group)
-                except RuntimeError:
-                    self._release_storage()
-                    raise
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         keys = ["square_avg"]

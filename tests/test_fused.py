@@ -29,6 +29,9 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
+MOMENTUM = {"SGD": {"momentum": 0.9}}  # SGD keeps a state (its momentum buffer) only with it
+
+
 def unfused(name):
     """The reference: the same mixedopt optimizer on its default path."""
     return lambda params, **kwargs: OPTIMIZERS[name][0](params, **kwargs)
@@ -744,8 +747,33 @@ def test_fused_takes_a_tensor_learning_rate_of_any_one_element_shape(name, shape
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
-def test_fused_on_a_device_without_fused_kernels_raises_torchs_error(name):
-    p = nn.Parameter(torch.ones(4, device="meta"))
+def test_fused_on_a_device_without_fused_kernels_raises_torchs_error_at_the_first_step(name):
+    """As torch.optim does (PyTorch's test_fused_error_on_params_on_meta), changing nothing."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 3), nn.Sigmoid(), nn.Linear(3, 1))
+    opt = OPTIMIZERS[name][0](model.parameters(), lr=0.1, fused=True)
+    with torch.device("meta"):
+        for p in model.parameters():
+            p.grad = torch.rand_like(p)
     with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating"):
-        OPTIMIZERS[name][0]([p], lr=0.1, fused=True)
-    assert p.grad_dtype == torch.float32  # the optimizer that failed released the parameter
+        opt.step()
+    assert not opt.state
+    opt.zero_grad(set_to_none=True)
+    model.to_empty(device="cpu")  # new parameters, which the optimizer does not hold
+    for p in model.parameters():
+        p.grad = torch.rand_like(p)
+    opt.step()
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_a_fused_step_refused_for_a_device_checks_again_at_the_next(name):
+    """Only the parameters with a gradient are checked, as torch.optim checks them."""
+    on_cpu, on_meta = nn.Parameter(torch.ones(4)), nn.Parameter(torch.ones(3, device="meta"))
+    opt = OPTIMIZERS[name][0]([on_cpu, on_meta], lr=0.1, fused=True, **MOMENTUM.get(name, {}))
+    on_cpu.grad, on_meta.grad = torch.ones(4), torch.ones(3, device="meta")
+    with pytest.raises(RuntimeError, match="`fused=True` requires all the params to be floating"):
+        opt.step()
+    torch.testing.assert_close(on_cpu.detach(), torch.ones(4))  # nothing was updated
+    on_meta.grad = None
+    opt.step()
+    assert on_cpu.detach().lt(1).all()
