@@ -66,6 +66,17 @@ def backward_of_magnitudes(params, magnitudes, seed):
     loss.backward()
 
 
+def step_both_on_the_same_gradients(opt, ref, params, reference, steps=3):
+    """``steps`` steps of ``opt`` and ``ref`` on the same random float32 gradients, assigned by
+    hand (mixedopt takes those as true gradients)."""
+    for _ in range(steps):
+        for p, q in zip(params, reference, strict=True):
+            q.grad = torch.randn(p.shape)
+            p.grad = q.grad.clone()
+        opt.step()
+        ref.step()
+
+
 def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
     exact = exact.double()
     denominator = torch.linalg.vector_norm(exact)

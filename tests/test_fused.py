@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, Twins, packing, scenarios
+from helpers import OPTIMIZERS, Twins, packing, scenarios, step_both_on_the_same_gradients
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
@@ -736,12 +736,7 @@ def test_fused_takes_a_tensor_learning_rate_of_any_one_element_shape(name, shape
     reference = [nn.Parameter(d.clone()) for d in data]
     opt = OPTIMIZERS[name][0](params, lr=lr, fused=True, **momentum)
     ref = OPTIMIZERS[name][1](reference, lr=0.01, **momentum)
-    for _ in range(3):
-        for p, q in zip(params, reference, strict=True):
-            q.grad = torch.randn(p.shape)
-            p.grad = q.grad.clone()
-        opt.step()
-        ref.step()
+    step_both_on_the_same_gradients(opt, ref, params, reference)
     for p, q in zip(params, reference, strict=True):
         torch.testing.assert_close(p, q)
 

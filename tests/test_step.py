@@ -7,7 +7,13 @@ import warnings
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, autocast_backward, small_model, twin
+from helpers import (
+    OPTIMIZERS,
+    autocast_backward,
+    small_model,
+    step_both_on_the_same_gradients,
+    twin,
+)
 from torch import nn
 
 import mixedopt
@@ -279,12 +285,7 @@ def test_a_tensor_learning_rate_steps_as_torch_optim_on_the_default_path(name, s
     )
     opt = OPTIMIZERS[name][0](params, lr=torch.tensor(1e-3).reshape(shape), fused=False)
     ref = OPTIMIZERS[name][1](reference, lr=torch.tensor(1e-3).reshape(shape))
-    for _ in range(3):
-        for p, q in zip(params, reference, strict=True):
-            q.grad = torch.randn(p.shape)
-            p.grad = q.grad.clone()
-        opt.step()
-        ref.step()
+    step_both_on_the_same_gradients(opt, ref, params, reference)
     for p, q in zip(params, reference, strict=True):
         torch.testing.assert_close(p, q)
 
