@@ -44,6 +44,7 @@ import torch
 from torch import Tensor
 
 from . import _packing
+from ._eager import run_eagerly
 from ._packing import ROW, LayoutCache, RowLayout, StoredRows, ViewRuns
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
     collector does: inside a store, or inside the consumer a store calls (an update of
     ``step_in_backward``, which may compile). Storing there would store again what is being
     stored, or call that consumer from inside itself. The release runs when the outermost
-    such method returns.
+    such method returns (``GradientStorage.release_waiting``).
     """
 
     @functools.wraps(method)
@@ -80,10 +81,9 @@ def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
         finally:
             self._working -= 1
             if not self._working and self._waiting_releases:
-                waiting, self._waiting_releases = self._waiting_releases, []
-                for holder in waiting:
-                    self.release(holder)
+                self.release_waiting()
 
+    run_eagerly(working)  # the end of a backward calls ``flush`` from the frame that ran it
     return working
 
 

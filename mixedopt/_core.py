@@ -37,6 +37,7 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 from ._bucket_step import BucketSteps
 from ._bucket_store import GroupIndex
 from ._distributed import is_dtensor
+from ._eager import compiled_autograd_is_on
 from ._entry_step import EntrySteps, _user_stacklevel
 from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
@@ -101,7 +102,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         try:
             super().__init__(params, *args, **kwargs)
         except BaseException:
-            self._release_storage()
+            self.remove_grad_storage()
             raise
         self._step_supports_amp_scaling = grad_dtype == torch.float16  # the parent's fused sets it
 
@@ -115,6 +116,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         # unscales as it does for torch.optim, so that unscale_() and clipping work as there.
         self._step_supports_amp_scaling = grad_dtype == torch.float16
         self._warned_changed_in_place = False
+        self._warned_compiled_autograd = False
         # step_in_backward(): the mode when on, whether its backward updated the weights since
         # the last step(), whether DDP was looked for.
         self._in_backward: UpdatingBackward | None = None
@@ -130,7 +132,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         self._fused_devices_checked: set[int] = set()  # ids of the fused groups checked
         # The storage does not reference the optimizer: its parameters are let go when it dies.
         self._release_storage: weakref.finalize = weakref.finalize(
-            self, self._grad_storage.release, self._held_params
+            self, self._grad_storage.release_when_safe, self._held_params
         )
 
     def __getstate__(self) -> dict[str, Any]:
@@ -226,9 +228,12 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         gradient back: from then on the parameters behave like plain torch parameters, and
         parameters added later are left alone. The optimizer still steps (on float32 gradients).
         A parameter that another mixedopt optimizer also holds keeps its storage until that one
-        lets go too. Also done when the optimizer is garbage collected.
+        lets go too. Also done when the optimizer is garbage collected (inside a trace, on a
+        thread other than the main one or during the storage's work, at the next safe point:
+        see the README).
         """
-        self._release_storage()
+        if self._release_storage.detach() is not None:
+            self._grad_storage.release(self._held_params)
 
     def true_grad(self, param: Tensor) -> Tensor | None:
         """The gradient of ``param`` without the storage scale, as a new float32 tensor.
@@ -297,6 +302,16 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
                 loss = closure()
         self._grad_storage.flush()  # gradients of a backward that ended early
         self._check_fused_devices()
+        if not self._warned_compiled_autograd and compiled_autograd_is_on():
+            self._warned_compiled_autograd = True
+            warnings.warn(
+                "mixedopt: compiled autograd (torch._dynamo.config.compiled_autograd) traces "
+                "the backward into one graph, where mixedopt leaves the gradients float32 "
+                "until step(): the steps are right, but no gradient memory is saved. Turn it "
+                f"off to have the gradients stored in {self.grad_dtype}.",
+                UserWarning,
+                stacklevel=_user_stacklevel(),
+            )
         grad_scale = getattr(self, "grad_scale", None)  # GradScaler's, during its step()
         found_inf = getattr(self, "found_inf", None)
         if self._updated_in_backward:

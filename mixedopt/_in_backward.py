@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from ._distributed import ddp_managed, is_dtensor
+from ._eager import run_eagerly
 
 # Elements of 16-bit gradients that wait to be updated together (8 MiB): the bound on the
 # gradients an updating backward holds, beyond one bucket or one larger gradient. Updating
@@ -191,6 +192,7 @@ class UpdatingBackward:
                 self.task = task
                 torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
+    @run_eagerly  # called from the frame that ran backward(), which may be compiled
     def _end_of_backward(self) -> None:
         # As storage work, as in ``consume``: a release that comes in the middle of the update
         # (a finalizer: the garbage collector may run there) stores what waits in the shared

@@ -58,6 +58,8 @@ a gradient on its own and reads the scales back (``stats_of``, ``stats_table``, 
 
 from __future__ import annotations
 
+import collections
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -70,10 +72,14 @@ from torch.utils.weak import WeakIdKeyDictionary
 from . import _packing
 from ._bucket_store import BucketStores, _Bucket, _BucketPlan, _deferring_releases, _StoredBucket
 from ._distributed import ddp_managed, process_group_exists
+from ._eager import run_eagerly
 from ._packing import ROW, IndexCache, LayoutCache, RowLayout, dense_strides, rows_for
 from ._scales import StorageScales
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
+
+# False when called; dynamo traces it as True (compiled autograd traces the storage's hooks).
+_traced_by_dynamo = torch.compiler.is_dynamo_compiling
 
 # Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
 Consumer = Callable[[list[Tensor]], None]
@@ -197,7 +203,9 @@ class GradientStorage(BucketStores, StorageScales):
         self._indices = IndexCache()  # stats_table's index tensors
         self._consumed = 0  # slots with a consumer
         self._working = 0  # storage methods running (``_deferring_releases``)
-        self._waiting_releases: list[set[int]] = []  # releases that came during them
+        # Releases that came where they could not run: during storage work, from a finalizer
+        # (``release_when_safe``). Appended by any thread.
+        self._waiting_releases: collections.deque[set[int]] = collections.deque()
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
@@ -228,6 +236,8 @@ class GradientStorage(BucketStores, StorageScales):
         Frozen parameters are left alone. A parameter another optimizer holds already keeps its
         storage, now held by both.
         """
+        if self._waiting_releases:  # the parameters of optimizers collected since
+            self.release_waiting()
         if id(param) in holder or not param.requires_grad:
             return
         self.check_can_manage(param)
@@ -274,7 +284,12 @@ class GradientStorage(BucketStores, StorageScales):
     def _accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
         param = slot.param
 
+        @run_eagerly  # called from a compiled frame (backward() inside torch.compile)
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None] | None:
+            if _traced_by_dynamo():
+                # Compiled autograd traces the backward into one graph: autograd stores the
+                # float32 gradient, and step() takes it as the true gradient.
+                return None
             # Runs for every parameter in every backward, between backward's own operations,
             # which leave the caches cold for it: each tensor attribute it reads costs about a
             # microsecond there. The common case reads one. A non-empty bucket (``slot.bucket``,
@@ -299,6 +314,7 @@ class GradientStorage(BucketStores, StorageScales):
 
         return hook
 
+    @_deferring_releases  # a finalizer may run in the middle of it
     def _take(self, slot: _Slot, incoming: Tensor | None) -> tuple[None] | None:
         """The hook's other cases, out of its way.
 
@@ -399,12 +415,41 @@ class GradientStorage(BucketStores, StorageScales):
         """Let go of the parameters ``holder`` holds.
 
         Those no optimizer holds any more lose their hook and get their true float32 gradient
-        back (what waits in a bucket is stored first). Called in the middle of storage work (by
-        a finalizer), it runs when that work ends.
+        back (what waits in a bucket is stored first). Called in the middle of storage work, it
+        runs when that work ends.
         """
         if self._working:
             self._waiting_releases.append(holder)
             return
+        self._release_now(holder)
+
+    @run_eagerly  # the garbage collector may run it inside a compiled frame
+    def release_when_safe(self, holder: set[int]) -> None:
+        """``release``, for a finalizer: the garbage collector runs it wherever it happens to run.
+
+        Inside a trace (torch.compile's, or any dispatch mode's) the tensors it would make are
+        the trace's; on a thread other than the main one it could run while a backward stores
+        gradients on another. There, and during storage work, it waits: for the end of the
+        next storage work (the next backward that stores a gradient, the next ``step()``) or
+        the next optimizer's construction, whichever comes first.
+        """
+        if (
+            self._working
+            or torch._C._len_torch_dispatch_stack()
+            or threading.current_thread() is not threading.main_thread()
+        ):
+            self._waiting_releases.append(holder)
+            return
+        self._release_now(holder)
+
+    def release_waiting(self) -> None:
+        """Run the releases that waited, unless inside a trace (they wait on)."""
+        if self._working or torch._C._len_torch_dispatch_stack():
+            return
+        while self._waiting_releases:
+            self._release_now(self._waiting_releases.popleft())
+
+    def _release_now(self, holder: set[int]) -> None:
         self.flush()
         for key in holder:
             slot = self._slots.get(key)
