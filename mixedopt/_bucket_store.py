@@ -2,7 +2,7 @@
 
 ``BucketStores`` (mixed into ``_storage.GradientStorage``) is the storage's bucket stage. The
 storage's hook (``_storage.py``) has a gradient of up to ``_packing.budget(device).bucket_small``
-elements wait in its device's bucket (``_Bucket``), as DistributedDataParallel's reducer does,
+elements wait in its device's bucket (``_slots.Bucket``), as DistributedDataParallel's reducer does,
 and has the bucket stored when the next gradient would not fit (``capacity`` elements) and at
 the end of ``backward()``.
 
@@ -11,9 +11,9 @@ Storing a bucket is a fixed number of operations, whatever the number of its gra
 of each, compute the scales, and write all of them in one multiplication into one 16-bit buffer,
 of which each ``p.grad`` is a view with the parameter's layout (on an accelerator eight
 launches in all; on a CPU a few more, each faster there). Where each gradient goes (its rows and
-views, ``_BucketPlan``) is kept, as a training loop fills the same buckets again.
+views, ``BucketPlan``) is kept, as a training loop fills the same buckets again.
 
-A stored bucket is remembered while its gradients live (``_StoredBucket``), for ``step()``: it
+A stored bucket is remembered while its gradients live (``StoredBucket``), for ``step()``: it
 updates the buckets whose gradients it takes whole (``whole_buckets``, ``_bucket_step.py``) and
 upcasts a bucket's rows at once (``stored_bucket``, ``_default_step.py``).
 
@@ -26,117 +26,39 @@ multiplication that writes the 16-bit buffer), and the one new buffer is the 16-
 gradients then are.
 
 Storage work (storing a bucket or a gradient alone, ``flush``) is marked with
-``_deferring_releases``, defined here with the first of them: an optimizer's release that
-comes in its middle waits until it ends.
+``_storage_work.deferring_releases``: an optimizer's release that comes in its middle waits
+until it ends.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import operator
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from . import _packing
-from ._eager import run_eagerly
 from ._packing import ROW, LayoutCache, RowLayout, StoredRows, ViewRuns
-
-if TYPE_CHECKING:
-    from ._storage import GradientStorage, _Slot
+from ._slots import Bucket, Slot
+from ._storage_work import deferring_releases
 
 # Attributes of slots, parameters and gradients, read in C by ``map`` over many of them (a
 # Python loop per parameter costs more than the reads themselves).
 _param_of_slot = operator.attrgetter("param")
-_grad_of_slot = operator.attrgetter("param.grad")
 _stats_of_slot = operator.attrgetter("stats")
 _ref_of_slot = operator.attrgetter("grad_ref")
 _grad_of = operator.attrgetter("grad")
-_is_sparse = operator.attrgetter("is_sparse")
 _stride_of = Tensor.stride  # the unbound method: half the time of methodcaller("stride")
 _is_contiguous = Tensor.is_contiguous
 _call = weakref.ref.__call__
 
 
-def _deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``method`` as storage work: a ``release`` that comes in the middle of it waits.
-
-    Optimizers let go of their parameters from a finalizer, which runs whenever the garbage
-    collector does: inside a store, or inside the consumer a store calls (an update of
-    ``step_in_backward``, which may compile). Storing there would store again what is being
-    stored, or call that consumer from inside itself. The release runs when the outermost
-    such method returns (``GradientStorage.release_waiting``).
-    """
-
-    @functools.wraps(method)
-    def working(self: GradientStorage, *args: Any, **kwargs: Any) -> Any:
-        self._working += 1
-        try:
-            return method(self, *args, **kwargs)
-        finally:
-            self._working -= 1
-            if not self._working and self._waiting_releases:
-                self.release_waiting()
-
-    run_eagerly(working)  # the end of a backward calls ``flush`` from the frame that ran it
-    return working
-
-
-class _Bucket:
-    """Gradients of one device waiting to be stored together, in arrival order.
-
-    A waiting gradient is in its ``p.grad``, float32 and true, as torch.optim would have it:
-    autograd put it there (the hook's common case) or the hook did (``_take``). ``previous``
-    keeps what ``p.grad`` held before, where it held something: they are added when stored.
-    """
-
-    __slots__ = ("device", "limits", "capacity", "small", "task", "slots", "previous", "elements")
-
-    def __init__(self, device: torch.device) -> None:
-        limits = self.limits = _packing.budget(device)
-        self.device = device
-        self.capacity = limits.capacity  # elements, in whole rows
-        self.small = limits.bucket_small  # the largest gradient that waits in a bucket
-        self.task: int | None = None  # the backward whose end stores this bucket
-        self.slots: list[_Slot] = []
-        self.previous: dict[int, Tensor] = {}  # position in ``slots`` -> earlier p.grad
-        self.elements = 0
-
-    def clear(self) -> None:
-        self.slots, self.previous, self.elements = [], {}, 0
-
-    def take_waiting(self) -> tuple[list[_Slot], list[Tensor], dict[int, Tensor]]:
-        """Empty the bucket: its slots, their gradients and what they are added to.
-
-        Leaves out a gradient gone from ``p.grad`` (``zero_grad()`` after a backward that
-        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it). The
-        slots it returns stay ``pending`` until their gradients are stored (``_store_bucket``
-        clears it in its loop over them); those it leaves out no longer wait.
-        """
-        slots, previous = self.slots, self.previous
-        self.clear()
-        grads = list(map(_grad_of_slot, slots))
-        # The common case, all there and dense, is checked without a Python step per gradient.
-        if all(map(operator.is_not, grads, itertools.repeat(None))) and not any(
-            map(_is_sparse, grads)
-        ):
-            return slots, grads, previous
-        for slot in slots:
-            slot.pending = False
-        kept = [i for i, grad in enumerate(grads) if grad is not None and not grad.is_sparse]
-        return (
-            [slots[i] for i in kept],
-            [grads[i] for i in kept],
-            {n: previous[i] for n, i in enumerate(kept) if i in previous},
-        )
-
-
-class _BucketPlan:
+class BucketPlan:
     """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
 
     __slots__ = ("layout", "runs", "param_strides", "generation", "staging_views")
@@ -150,12 +72,12 @@ class _BucketPlan:
         self.staging_views: list[Tensor] = []
 
 
-class _StoredBucket:
+class StoredBucket:
     """A bucket backward stored: its stats table and 16-bit buffer (weakly held), and slots."""
 
     __slots__ = ("stats", "stored", "plan", "slots", "version")
 
-    def __init__(self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]):
+    def __init__(self, stats: Tensor, stored: Tensor, plan: BucketPlan, slots: list[Slot]):
         self.stats = weakref.ref(stats)
         self.stored = weakref.ref(stored)
         self.plan = plan
@@ -174,7 +96,7 @@ class WholeBucket:
         params: list[Tensor],
         indices: list[int],
         stored: Tensor,
-        plan: _BucketPlan,
+        plan: BucketPlan,
     ):
         self.stats = stats  # row i: [storage scale, bound on |true gradient|] of gradient i
         self.params = params  # the parameter of each row, in row order
@@ -189,7 +111,7 @@ class GroupIndex:
 
     ``whole_buckets`` needs the group of every gradient of a bucket, each step. A training
     loop's groups hold the same parameters step after step, so the groups of a bucket's rows
-    (one list per ``_BucketPlan``) are kept while they do; ``refresh`` checks that with a pass
+    (one list per ``BucketPlan``) are kept while they do; ``refresh`` checks that with a pass
     in C over each group, and starts again from the groups when they changed.
     """
 
@@ -197,7 +119,7 @@ class GroupIndex:
         self._groups: list[list[Tensor]] = []
         self._group_of: dict[int, int] = {}  # id(parameter) -> index of its group
         # id(plan) -> (plan, the group of each of its rows; None: one is in no group)
-        self._indices: dict[int, tuple[_BucketPlan, list[int] | None]] = {}
+        self._indices: dict[int, tuple[BucketPlan, list[int] | None]] = {}
 
     def refresh(self, groups: list[list[Tensor]]) -> None:
         """Index ``groups`` (a list of parameters per group), unless they are the ones indexed."""
@@ -225,7 +147,7 @@ class GroupIndex:
             for params in self._groups
         )
 
-    def indices(self, plan: _BucketPlan, params: list[Tensor]) -> list[int] | None:
+    def indices(self, plan: BucketPlan, params: list[Tensor]) -> list[int] | None:
         """The group of each of ``params`` (``plan``'s rows); None where one is in no group."""
         found = self._indices.get(id(plan))
         if found is not None and found[0] is plan:
@@ -251,16 +173,16 @@ class BucketStores:
     _staging_generation: int
     _staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]]
     _layouts: LayoutCache
-    _plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan]
-    _stored: dict[int, _StoredBucket]
+    _plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan]
+    _stored: dict[int, StoredBucket]
     _consumed: int
-    _hand_over: Callable[[list[_Slot]], None]
-    _inverse_scales: Callable[[list[_Slot], list[Tensor]], list[Tensor]]
+    _hand_over: Callable[[list[Slot]], None]
+    _inverse_scales: Callable[[list[Slot], list[Tensor]], list[Tensor]]
     _storage_scales: Callable[..., Tensor]
 
-    @_deferring_releases
+    @deferring_releases
     @torch.no_grad()
-    def _store_bucket(self, bucket: _Bucket) -> None:
+    def _store_bucket(self, bucket: Bucket) -> None:
         """Store a bucket's gradients: a fixed number of operations for all of them."""
         if not bucket.slots:
             return
@@ -316,14 +238,12 @@ class BucketStores:
         if self._consumed:
             self._hand_over(slots)
 
-    def _remember(
-        self, stats: Tensor, stored: Tensor, plan: _BucketPlan, slots: list[_Slot]
-    ) -> None:
+    def _remember(self, stats: Tensor, stored: Tensor, plan: BucketPlan, slots: list[Slot]) -> None:
         """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
         found = self._stored
         for key in [k for k, record in found.items() if record.stored() is None]:
             del found[key]
-        found[id(stats)] = _StoredBucket(stats, stored, plan, slots)
+        found[id(stats)] = StoredBucket(stats, stored, plan, slots)
 
     def stored_bucket(self, stats: Tensor) -> StoredRows | None:
         """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
@@ -372,7 +292,7 @@ class BucketStores:
             return whole, 0
         return whole, groups.with_grad() - taken
 
-    def _plan(self, slots: list[_Slot], device: torch.device) -> _BucketPlan:
+    def _plan(self, slots: list[Slot], device: torch.device) -> BucketPlan:
         """Where the gradients of ``slots`` go, kept: a training loop fills the same buckets."""
         key = (device, tuple(map(id, slots)))
         plan = self._plans.get(key)
@@ -393,7 +313,7 @@ class BucketStores:
         layout = self._layouts.get([slot.param.numel() for slot in slots], device)
         runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
         param_strides = None if contiguous else list(map(_stride_of, params))
-        plan = self._plans[key] = _BucketPlan(layout, runs, param_strides)
+        plan = self._plans[key] = BucketPlan(layout, runs, param_strides)
         return plan
 
     def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:

@@ -38,7 +38,7 @@ from ._bucket_step import BucketSteps
 from ._bucket_store import GroupIndex
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
-from ._entry_step import EntrySteps, _user_stacklevel
+from ._entry_step import EntrySteps, user_stacklevel
 from ._fused_step import FusedSteps
 from ._in_backward import UpdatingBackward, grad_scaler_error
 from ._packing import Workspace
@@ -310,7 +310,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
                 "until step(): the steps are right, but no gradient memory is saved. Turn it "
                 f"off to have the gradients stored in {self.grad_dtype}.",
                 UserWarning,
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
         grad_scale = getattr(self, "grad_scale", None)  # GradScaler's, during its step()
         found_inf = getattr(self, "found_inf", None)
@@ -334,7 +334,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
                 f"mixedopt.{type(self).__name__}: a gradient is inf or NaN; the step was "
                 f"skipped (weights and state unchanged; {self.skipped_steps} skipped so far)",
                 RuntimeWarning,
-                stacklevel=_user_stacklevel(),
+                stacklevel=user_stacklevel(),
             )
         return loss
 

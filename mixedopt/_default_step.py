@@ -44,7 +44,7 @@ from ._packing import (
 # The parent's functional update: (params, grads, states by key, step counters).
 Update = Callable[[list[Tensor], list[Tensor], dict[str, list[Any]], list[Tensor]], None]
 # GradientStorage.stored_bucket: a bucket's 16-bit rows, layout and views, from its stats table.
-StoredBucket = Callable[[Tensor], StoredRows | None]
+StoredRowsLookup = Callable[[Tensor], StoredRows | None]
 
 
 class Batch:
@@ -244,7 +244,7 @@ def stored_batches(buckets: Sequence[StoredRows], piece: int) -> list[list[int]]
 
 
 def _whole_buckets(
-    entries: list[Entry], stored_bucket: StoredBucket, device: torch.device
+    entries: list[Entry], stored_bucket: StoredRowsLookup, device: torch.device
 ) -> tuple[list[tuple[list[int], StoredRows]], list[int]]:
     """The buckets of ``entries`` that can be upcast from their rows, and the other entries.
 
@@ -277,7 +277,7 @@ def default_update(
     entries: list[Entry],
     factors: Tensor,
     workspace: Workspace,
-    stored_bucket: StoredBucket | None = None,
+    stored_bucket: StoredRowsLookup | None = None,
 ) -> None:
     """Update ``entries`` (all on one device; ``factors`` one each) on the default path.
 

@@ -56,7 +56,7 @@ from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 _LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
 
 
-def _user_stacklevel() -> int:
+def user_stacklevel() -> int:
     """The ``stacklevel`` that points a warning at the first caller outside mixedopt and torch.
 
     ``step()`` is reached through torch's wrappers (hooks, no_grad, torch.compiler.disable).
@@ -197,7 +197,7 @@ class EntrySteps:
             "(optimizer.last_grad_norm holds the norm to log) and turn the framework's clipping "
             "off, or use grad_dtype=torch.bfloat16, whose .grad holds true values. Warned once.",
             UserWarning,
-            stacklevel=_user_stacklevel(),
+            stacklevel=user_stacklevel(),
         )
 
     def _collect(

@@ -20,17 +20,14 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from . import _packing
-from ._bucket_store import _deferring_releases
 from ._packing import IndexCache, dense_order, flat_view
-
-if TYPE_CHECKING:
-    from ._storage import _Slot
+from ._slots import Slot
+from ._storage_work import deferring_releases
 
 # The stored tensor's largest magnitude lands in [2**(E-1), 2**E): 256x headroom below float16's
 # largest value, and 2**-22 of it still a normal float16 number.
@@ -126,13 +123,13 @@ class StorageScales:
     # What the storage it is mixed into provides (``_storage.GradientStorage``, whose
     # ``__init__`` says what each attribute holds, and ``_bucket_store.BucketStores``).
     grad_dtype: torch.dtype
-    _slots: dict[int, _Slot]
+    _slots: dict[int, Slot]
     _unit_stats: dict[torch.device, Tensor]
     _indices: IndexCache
     flush: Callable[[], None]
     _scratch: Callable[[torch.device, int], Tensor]
 
-    def _inverse_scales(self, slots: list[_Slot], grads: list[Tensor]) -> list[Tensor]:
+    def _inverse_scales(self, slots: list[Slot], grads: list[Tensor]) -> list[Tensor]:
         """1 / storage scale of each gradient (1 where it holds true values), 0-dim each."""
         device = grads[0].device
         stats, rows = self.stats_table(
@@ -158,9 +155,9 @@ class StorageScales:
         """``_storage_scales`` of one largest magnitude read on the host."""
         return power_of_two_scale_on_host(amax) if self.grad_dtype == torch.float16 else 1.0
 
-    @_deferring_releases
+    @deferring_releases
     @torch.no_grad()
-    def _store_alone(self, slot: _Slot, incoming: Tensor, previous: Tensor | None) -> None:
+    def _store_alone(self, slot: Slot, incoming: Tensor, previous: Tensor | None) -> None:
         """Store one gradient (added to ``previous``) with its own operations."""
         true = incoming.float()
         if previous is not None:

@@ -61,108 +61,30 @@ from __future__ import annotations
 import collections
 import threading
 import warnings
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _packing
-from ._bucket_store import BucketStores, _Bucket, _BucketPlan, _deferring_releases, _StoredBucket
+from ._bucket_store import BucketPlan, BucketStores, StoredBucket
 from ._distributed import ddp_managed, process_group_exists
 from ._eager import run_eagerly
-from ._packing import ROW, IndexCache, LayoutCache, RowLayout, dense_strides, rows_for
+from ._packing import ROW, IndexCache, LayoutCache, RowLayout, rows_for
 from ._scales import StorageScales
+from ._slots import Bucket, Consumer, Slot
+from ._storage_work import deferring_releases
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
 # False when called; dynamo traces it as True (compiled autograd traces the storage's hooks).
 _traced_by_dynamo = torch.compiler.is_dynamo_compiling
 
-# Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
-Consumer = Callable[[list[Tensor]], None]
-
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # The storage of each grad_dtype, shared by every optimizer of the process (``shared``).
 _shared: dict[torch.dtype, GradientStorage] = {}
-
-
-class _Slot:
-    """What the storage knows about one parameter and its ``.grad``."""
-
-    __slots__ = (
-        "param",
-        "accumulator",
-        "handles",
-        "original_grad_dtype",
-        "holders",
-        "stats",
-        "row",
-        "grad_ref",
-        "grad_version",
-        "engine_owned",
-        "pending",
-        "layout",
-        "shape",
-        "strides",
-        "consumer",
-        "bucket",
-        "elements",
-    )
-
-    def __init__(self, param: Tensor) -> None:
-        self.param = param
-        # Holding the AccumulateGrad node keeps it (and the hook on it) alive between backwards.
-        # A view records its grad_fn only with grad mode on and outside inference mode (an
-        # optimizer made under no_grad() or inference_mode()).
-        with torch.inference_mode(False), torch.enable_grad():
-            grad_fn = param.view_as(param).grad_fn
-        assert grad_fn is not None, "not an inference tensor (refused by the optimizer)"
-        self.accumulator: Any = grad_fn.next_functions[0][0]
-        self.handles: list[Any] = []
-        self.original_grad_dtype = param.grad_dtype
-        self.holders = 0  # optimizers holding the parameter: the slot goes with the last one
-        # Row ``row`` of ``stats`` is [storage scale, bound on |true gradient|] of the .grad this
-        # storage wrote (p.grad == true gradient * scale); ``stats`` has a row per gradient
-        # stored with it.
-        self.stats: Tensor | None = None
-        self.row = 0
-        self.grad_ref: weakref.ref[Tensor] | None = None  # the .grad tensor this storage wrote
-        self.grad_version = -1  # its version counter when written
-        self.engine_owned = False  # a distributed engine reads the gradient: left float32
-        self.pending = False  # its gradient waits in a bucket
-        # The parameter's strides when its stored gradient's shape and strides were found.
-        self.layout: tuple[int, ...] = ()
-        self.shape = param.shape
-        self.strides: tuple[int, ...] = ()
-        # Called with the parameter as soon as its gradient is stored, in backward (an
-        # optimizer's step_in_backward); None: the gradient stays in p.grad.
-        self.consumer: Consumer | None = None
-        # The bucket its gradients wait in, for the hook's common case (set by ``_take``), and
-        # the elements they take there (whole rows).
-        self.bucket: _Bucket | None = None
-        self.elements = 0
-
-    def owns(self, grad: Tensor | None) -> bool:
-        return grad is not None and self.grad_ref is not None and self.grad_ref() is grad
-
-    def grad_strides(self) -> tuple[int, ...]:
-        """The strides of the stored gradient: the parameter's own layout when it is dense."""
-        layout = self.param.stride()
-        if layout != self.layout:  # first use, or new memory (``p.data = ...``, channels_last)
-            self.layout, self.shape = layout, self.param.shape
-            self.strides = dense_strides(self.param)
-        return self.strides
-
-    def record(self, grad: Tensor, stats: Tensor, row: int, version: int) -> None:
-        self.param.grad = grad
-        self.grad_ref = weakref.ref(grad)
-        self.grad_version = version
-        self.stats, self.row = stats, row
-        self.pending = False
 
 
 class GradientStorage(BucketStores, StorageScales):
@@ -185,10 +107,10 @@ class GradientStorage(BucketStores, StorageScales):
 
     def __init__(self, grad_dtype: torch.dtype) -> None:
         self.grad_dtype = grad_dtype
-        self._slots: dict[int, _Slot] = {}
-        self._unchecked: list[_Slot] = []  # not looked up yet for a distributed engine
+        self._slots: dict[int, Slot] = {}
+        self._unchecked: list[Slot] = []  # not looked up yet for a distributed engine
         self._engines_looked_up_in = -2  # the backward (graph task) that last looked them up
-        self._buckets: dict[torch.device, _Bucket] = {}
+        self._buckets: dict[torch.device, Bucket] = {}
         # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
         self._staging: dict[torch.device, Tensor] = {}
         self._staging_generation = 0  # advances when a staging buffer is replaced
@@ -196,16 +118,16 @@ class GradientStorage(BucketStores, StorageScales):
         # the buffer was used as scratch, ``_scratch``).
         self._staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]] = {}
         self._layouts = LayoutCache()
-        self._plans: dict[tuple[torch.device, tuple[int, ...]], _BucketPlan] = {}
+        self._plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan] = {}
         # id(stats) -> the buckets stored, while their gradients live.
-        self._stored: dict[int, _StoredBucket] = {}
+        self._stored: dict[int, StoredBucket] = {}
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
         self._consumed = 0  # slots with a consumer
-        self._working = 0  # storage methods running (``_deferring_releases``)
+        self.working = 0  # storage methods running (``deferring_releases``)
         # Releases that came where they could not run: during storage work, from a finalizer
         # (``release_when_safe``). Appended by any thread.
-        self._waiting_releases: collections.deque[set[int]] = collections.deque()
+        self.waiting_releases: collections.deque[set[int]] = collections.deque()
 
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
@@ -236,14 +158,14 @@ class GradientStorage(BucketStores, StorageScales):
         Frozen parameters are left alone. A parameter another optimizer holds already keeps its
         storage, now held by both.
         """
-        if self._waiting_releases:  # the parameters of optimizers collected since
+        if self.waiting_releases:  # the parameters of optimizers collected since
             self.release_waiting()
         if id(param) in holder or not param.requires_grad:
             return
         self.check_can_manage(param)
         slot = self._slots.get(id(param))
         if slot is None:
-            slot = _Slot(param)
+            slot = Slot(param)
             param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
             slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
             self._slots[id(param)] = slot
@@ -281,7 +203,7 @@ class GradientStorage(BucketStores, StorageScales):
 
     # ------------------------------------------------------------------ during backward
 
-    def _accumulate_hook(self, slot: _Slot):  # noqa: ANN202 - autograd hook
+    def _accumulate_hook(self, slot: Slot):  # noqa: ANN202 - autograd hook
         param = slot.param
 
         @run_eagerly  # called from a compiled frame (backward() inside torch.compile)
@@ -314,8 +236,8 @@ class GradientStorage(BucketStores, StorageScales):
 
         return hook
 
-    @_deferring_releases  # a finalizer may run in the middle of it
-    def _take(self, slot: _Slot, incoming: Tensor | None) -> tuple[None] | None:
+    @deferring_releases  # a finalizer may run in the middle of it
+    def _take(self, slot: Slot, incoming: Tensor | None) -> tuple[None] | None:
         """The hook's other cases, out of its way.
 
         The first gradient of a backward (or of a device), one that would overflow its bucket,
@@ -342,7 +264,7 @@ class GradientStorage(BucketStores, StorageScales):
         if bucket is None or bucket.limits is not _packing.budget(device):
             if bucket is not None:  # the budget was changed (tests do): a bucket for it
                 self._store_bucket(bucket)
-            bucket = self._buckets[device] = _Bucket(device)
+            bucket = self._buckets[device] = Bucket(device)
         if slot.pending:  # waits from a backward that raised: stored first
             self._store_bucket(bucket)
             previous = param.grad
@@ -369,7 +291,7 @@ class GradientStorage(BucketStores, StorageScales):
         param.grad = incoming  # true values until stored, as torch.optim would have them
         return (None,)  # taken: autograd stores nothing
 
-    @_deferring_releases
+    @deferring_releases
     def flush(self) -> None:
         """Store every gradient still waiting in a bucket."""
         for bucket in list(self._buckets.values()):
@@ -390,7 +312,7 @@ class GradientStorage(BucketStores, StorageScales):
             self._consumed += (consumer is not None) - (slot.consumer is not None)
             slot.consumer = consumer
 
-    @_deferring_releases
+    @deferring_releases
     def run_as_storage_work(self, work: Callable[[], None]) -> None:
         """Run ``work``, a consumer's use of stored gradients, as storage work.
 
@@ -400,7 +322,7 @@ class GradientStorage(BucketStores, StorageScales):
         work()
 
     @staticmethod
-    def _hand_over(slots: list[_Slot]) -> None:
+    def _hand_over(slots: list[Slot]) -> None:
         """Call each consumer with its parameters among ``slots``, in order."""
         taken: dict[Consumer, list[Tensor]] = {}
         for slot in slots:
@@ -418,8 +340,8 @@ class GradientStorage(BucketStores, StorageScales):
         back (what waits in a bucket is stored first). Called in the middle of storage work, it
         runs when that work ends.
         """
-        if self._working:
-            self._waiting_releases.append(holder)
+        if self.working:
+            self.waiting_releases.append(holder)
             return
         self._release_now(holder)
 
@@ -434,20 +356,20 @@ class GradientStorage(BucketStores, StorageScales):
         the next optimizer's construction, whichever comes first.
         """
         if (
-            self._working
+            self.working
             or torch._C._len_torch_dispatch_stack()
             or threading.current_thread() is not threading.main_thread()
         ):
-            self._waiting_releases.append(holder)
+            self.waiting_releases.append(holder)
             return
         self._release_now(holder)
 
     def release_waiting(self) -> None:
         """Run the releases that waited, unless inside a trace (they wait on)."""
-        if self._working or torch._C._len_torch_dispatch_stack():
+        if self.working or torch._C._len_torch_dispatch_stack():
             return
-        while self._waiting_releases:
-            self._release_now(self._waiting_releases.popleft())
+        while self.waiting_releases:
+            self._release_now(self.waiting_releases.popleft())
 
     def _release_now(self, holder: set[int]) -> None:
         self.flush()
@@ -466,7 +388,7 @@ class GradientStorage(BucketStores, StorageScales):
             self._staging_rows.clear()
             self._buckets.clear()
 
-    def _uninstall(self, slot: _Slot) -> None:
+    def _uninstall(self, slot: Slot) -> None:
         self._consumed -= slot.consumer is not None
         for handle in slot.handles:
             handle.remove()

@@ -1,0 +1,151 @@
+"""What the gradient storage keeps per parameter (``Slot``) and per device (``Bucket``).
+
+A slot holds a parameter's hook, the stats row of the gradient the storage wrote into its
+``.grad``, and the bucket its gradients wait in. A bucket holds the small gradients of a
+backward that wait to be stored together (``_bucket_store.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from . import _packing
+from ._packing import dense_strides
+
+# Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
+Consumer = Callable[[list[Tensor]], None]
+
+# Read in C by ``map`` over many slots (a Python loop per parameter costs more than the reads).
+_grad_of_slot = operator.attrgetter("param.grad")
+_is_sparse = operator.attrgetter("is_sparse")
+
+
+class Slot:
+    """What the storage knows about one parameter and its ``.grad``."""
+
+    __slots__ = (
+        "param",
+        "accumulator",
+        "handles",
+        "original_grad_dtype",
+        "holders",
+        "stats",
+        "row",
+        "grad_ref",
+        "grad_version",
+        "engine_owned",
+        "pending",
+        "layout",
+        "shape",
+        "strides",
+        "consumer",
+        "bucket",
+        "elements",
+    )
+
+    def __init__(self, param: Tensor) -> None:
+        self.param = param
+        # Holding the AccumulateGrad node keeps it (and the hook on it) alive between backwards.
+        # A view records its grad_fn only with grad mode on and outside inference mode (an
+        # optimizer made under no_grad() or inference_mode()).
+        with torch.inference_mode(False), torch.enable_grad():
+            grad_fn = param.view_as(param).grad_fn
+        assert grad_fn is not None, "not an inference tensor (refused by the optimizer)"
+        self.accumulator: Any = grad_fn.next_functions[0][0]
+        self.handles: list[Any] = []
+        self.original_grad_dtype = param.grad_dtype
+        self.holders = 0  # optimizers holding the parameter: the slot goes with the last one
+        # Row ``row`` of ``stats`` is [storage scale, bound on |true gradient|] of the .grad this
+        # storage wrote (p.grad == true gradient * scale); ``stats`` has a row per gradient
+        # stored with it.
+        self.stats: Tensor | None = None
+        self.row = 0
+        self.grad_ref: weakref.ref[Tensor] | None = None  # the .grad tensor this storage wrote
+        self.grad_version = -1  # its version counter when written
+        self.engine_owned = False  # a distributed engine reads the gradient: left float32
+        self.pending = False  # its gradient waits in a bucket
+        # The parameter's strides when its stored gradient's shape and strides were found.
+        self.layout: tuple[int, ...] = ()
+        self.shape = param.shape
+        self.strides: tuple[int, ...] = ()
+        # Called with the parameter as soon as its gradient is stored, in backward (an
+        # optimizer's step_in_backward); None: the gradient stays in p.grad.
+        self.consumer: Consumer | None = None
+        # The bucket its gradients wait in, for the hook's common case (set by ``_take``), and
+        # the elements they take there (whole rows).
+        self.bucket: Bucket | None = None
+        self.elements = 0
+
+    def owns(self, grad: Tensor | None) -> bool:
+        return grad is not None and self.grad_ref is not None and self.grad_ref() is grad
+
+    def grad_strides(self) -> tuple[int, ...]:
+        """The strides of the stored gradient: the parameter's own layout when it is dense."""
+        layout = self.param.stride()
+        if layout != self.layout:  # first use, or new memory (``p.data = ...``, channels_last)
+            self.layout, self.shape = layout, self.param.shape
+            self.strides = dense_strides(self.param)
+        return self.strides
+
+    def record(self, grad: Tensor, stats: Tensor, row: int, version: int) -> None:
+        self.param.grad = grad
+        self.grad_ref = weakref.ref(grad)
+        self.grad_version = version
+        self.stats, self.row = stats, row
+        self.pending = False
+
+
+class Bucket:
+    """Gradients of one device waiting to be stored together, in arrival order.
+
+    A waiting gradient is in its ``p.grad``, float32 and true, as torch.optim would have it:
+    autograd put it there (the hook's common case) or the hook did (``_take``). ``previous``
+    keeps what ``p.grad`` held before, where it held something: they are added when stored.
+    """
+
+    __slots__ = ("device", "limits", "capacity", "small", "task", "slots", "previous", "elements")
+
+    def __init__(self, device: torch.device) -> None:
+        limits = self.limits = _packing.budget(device)
+        self.device = device
+        self.capacity = limits.capacity  # elements, in whole rows
+        self.small = limits.bucket_small  # the largest gradient that waits in a bucket
+        self.task: int | None = None  # the backward whose end stores this bucket
+        self.slots: list[Slot] = []
+        self.previous: dict[int, Tensor] = {}  # position in ``slots`` -> earlier p.grad
+        self.elements = 0
+
+    def clear(self) -> None:
+        self.slots, self.previous, self.elements = [], {}, 0
+
+    def take_waiting(self) -> tuple[list[Slot], list[Tensor], dict[int, Tensor]]:
+        """Empty the bucket: its slots, their gradients and what they are added to.
+
+        Leaves out a gradient gone from ``p.grad`` (``zero_grad()`` after a backward that
+        raised, say: what it cleared is not stored) and a sparse one (autograd keeps it). The
+        slots it returns stay ``pending`` until their gradients are stored (``_store_bucket``
+        clears it in its loop over them); those it leaves out no longer wait.
+        """
+        slots, previous = self.slots, self.previous
+        self.clear()
+        grads = list(map(_grad_of_slot, slots))
+        # The common case, all there and dense, is checked without a Python step per gradient.
+        if all(map(operator.is_not, grads, itertools.repeat(None))) and not any(
+            map(_is_sparse, grads)
+        ):
+            return slots, grads, previous
+        for slot in slots:
+            slot.pending = False
+        kept = [i for i, grad in enumerate(grads) if grad is not None and not grad.is_sparse]
+        return (
+            [slots[i] for i in kept],
+            [grads[i] for i in kept],
+            {n: previous[i] for n, i in enumerate(kept) if i in previous},
+        )
