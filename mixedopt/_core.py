@@ -40,7 +40,7 @@ from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
 from ._entry_step import EntrySteps, user_stacklevel
 from ._fused_step import FusedSteps
-from ._in_backward import UpdatingBackward, grad_scaler_error
+from ._in_backward import InBackwardState, UpdatingBackward, grad_scaler_error
 from ._packing import Workspace
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
@@ -117,11 +117,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         self._step_supports_amp_scaling = grad_dtype == torch.float16
         self._warned_changed_in_place = False
         self._warned_compiled_autograd = False
-        # step_in_backward(): the mode when on, whether its backward updated the weights since
-        # the last step(), whether DDP was looked for.
-        self._in_backward: UpdatingBackward | None = None
-        self._updated_in_backward = False
-        self._ddp_checked = False
+        self._in_backward = InBackwardState()  # step_in_backward()'s state
         self.last_grad_norm: Tensor | None = None
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
@@ -232,6 +228,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         thread other than the main one or during the storage's work, at the next safe point:
         see the README).
         """
+        self._in_backward.storage_removed = True
         if self._release_storage.detach() is not None:
             self._grad_storage.release(self._held_params)
 
@@ -271,7 +268,18 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
         backward), DistributedDataParallel and FSDP2 (they own the gradients), parameters
         another mixedopt optimizer holds, and ``remove_grad_storage()``.
         """
-        return UpdatingBackward(self)
+        return UpdatingBackward(self, self._grad_storage, self._in_backward)
+
+    def update_in_backward(self, by_group: list[list[Tensor]]) -> bool:
+        """For ``step_in_backward()``: update ``by_group``'s parameters as ``step()`` would.
+
+        ``by_group`` has a list per param group of parameters whose gradients backward has just
+        stored. Returns False, having updated nothing, where a gradient is inf or NaN.
+        """
+        buckets, steps = self._collect(by_group)  # as step() takes them
+        if not steps and not buckets:
+            return True
+        return self._step_entries(steps, None, None, on_host=True, buckets=buckets)
 
     # ------------------------------------------------------------------ step
 
@@ -279,7 +287,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
     def skipped_steps(self) -> int:
         """Steps skipped because a gradient was inf or NaN (GradScaler's skips included)."""
         on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
-        return self._skipped_on_host + on_device
+        return self._skipped_on_host + self._in_backward.skipped + on_device
 
     # Excluded from torch.compile (``torch.compile(optimizer.step)`` runs it eagerly, a graph
     # break): dynamo traces parameters as fake tensors without the ``grad_dtype = None`` that
@@ -314,8 +322,8 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.O
             )
         grad_scale = getattr(self, "grad_scale", None)  # GradScaler's, during its step()
         found_inf = getattr(self, "found_inf", None)
-        if self._updated_in_backward:
-            self._updated_in_backward = False
+        if self._in_backward.updated:
+            self._in_backward.updated = False
             # GradScaler found no gradient: the backward had used them, scaled.
             if found_inf is not None and not torch.is_tensor(found_inf):
                 raise grad_scaler_error(self)

@@ -6,9 +6,9 @@ model. The gradient storage (``_storage.py``) stores the gradients of a backward
 (and a large gradient on its own); while the mode is on, it hands each stored bucket to
 ``UpdatingBackward.consume``. The stored gradients wait there until the next would take them
 past ``UPDATE_BATCH`` elements, or until backward ends; then their parameters are updated
-together with ``step()``'s own machinery (``MixedPrecisionOptimizer._collect`` and
-``_step_entries``: a bucket taken whole as ``step()`` takes it, the same factors, the same
-functional update, so the same weights) and their gradients are freed. At its end the mode runs
+together by the optimizer's ``update_in_backward``, ``step()``'s own machinery (a bucket taken
+whole as ``step()`` takes it, the same factors, the same functional update, so the same
+weights), and their gradients are freed. At its end the mode runs
 ``optimizer.step()`` once, for the parameters that got no gradient in this backward but hold one
 from earlier micro-batches, for the step hooks, and for the LR schedulers that count steps.
 
@@ -24,7 +24,7 @@ from __future__ import annotations
 import threading
 import warnings
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -41,7 +41,36 @@ from ._eager import run_eagerly
 UPDATE_BATCH = 1 << 22
 
 if TYPE_CHECKING:
-    from ._core import MixedPrecisionOptimizer
+    from ._storage import GradientStorage
+
+
+class UpdatesInBackward(Protocol):
+    """What ``UpdatingBackward`` needs of its optimizer: torch's API and one method for it."""
+
+    param_groups: list[dict[str, Any]]
+    max_grad_norm: float | None
+
+    @property
+    def skipped_steps(self) -> int: ...
+
+    def step(self) -> Any: ...
+
+    def update_in_backward(self, by_group: list[list[Tensor]]) -> bool:
+        """Update ``by_group``'s parameters as ``step()`` would; False: nothing updated (inf)."""
+        ...
+
+
+class InBackwardState:
+    """An optimizer's side of ``step_in_backward()``, which the optimizer keeps."""
+
+    __slots__ = ("mode", "updated", "ddp_checked", "storage_removed", "skipped")
+
+    def __init__(self) -> None:
+        self.mode: UpdatingBackward | None = None  # the mode when on
+        self.updated = False  # a backward in the mode updated the weights since the last step()
+        self.ddp_checked = False  # DistributedDataParallel was looked for
+        self.storage_removed = False  # remove_grad_storage() was called
+        self.skipped = 0  # backwards whose updates an inf or NaN stopped
 
 
 def grad_scaler_error(optimizer: Any) -> RuntimeError:
@@ -58,8 +87,12 @@ def grad_scaler_error(optimizer: Any) -> RuntimeError:
 class UpdatingBackward:
     """The context ``step_in_backward()`` returns: the backwards in it update the weights."""
 
-    def __init__(self, optimizer: MixedPrecisionOptimizer) -> None:
+    def __init__(
+        self, optimizer: UpdatesInBackward, storage: GradientStorage, state: InBackwardState
+    ) -> None:
         self.optimizer = optimizer
+        self.storage = storage
+        self.state = state
         groups = optimizer.param_groups
         self.params = [p for group in groups for p in group["params"]]
         self.group_of = {id(p): i for i, group in enumerate(groups) for p in group["params"]}
@@ -81,9 +114,8 @@ class UpdatingBackward:
         raise RuntimeError(f"mixedopt.{name}.step_in_backward(): {why}")
 
     def _check(self) -> None:
-        optimizer = self.optimizer
-        storage = optimizer._grad_storage
-        if optimizer._in_backward is not None:
+        optimizer, storage, state = self.optimizer, self.storage, self.state
+        if state.mode is not None:
             self._refuse("already on; a backward in it updates the weights once")
         if optimizer.max_grad_norm is not None:
             self._refuse(
@@ -91,7 +123,7 @@ class UpdatingBackward:
                 "ends, after the updates; clip with loss.backward(); optimizer.step(), or set "
                 "max_grad_norm=None"
             )
-        if not optimizer._release_storage.alive:
+        if state.storage_removed:
             self._refuse(
                 "remove_grad_storage() was called, so backward no longer hands the gradients to "
                 "the optimizer; use loss.backward(); optimizer.step()"
@@ -104,8 +136,8 @@ class UpdatingBackward:
             )
         # Looked for once per optimizer (a walk over the objects the collector tracks); the
         # storage also knows the parameters it found DDP to reduce at a backward.
-        if not optimizer._ddp_checked:
-            optimizer._ddp_checked = True
+        if not state.ddp_checked:
+            state.ddp_checked = True
             ddp = bool(ddp_managed(self.params))
         else:
             ddp = any(storage.left_to_engine(p) for p in self.params)
@@ -124,8 +156,8 @@ class UpdatingBackward:
     def __enter__(self) -> UpdatingBackward:
         self._check()
         self._reset()  # the same context may be entered again
-        self.optimizer._in_backward = self
-        self.optimizer._grad_storage.set_consumer(self.params, self.consume)
+        self.state.mode = self
+        self.storage.set_consumer(self.params, self.consume)
         return self
 
     def __exit__(
@@ -134,17 +166,16 @@ class UpdatingBackward:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        optimizer = self.optimizer
-        storage = optimizer._grad_storage
+        optimizer, storage = self.optimizer, self.storage
         storage.set_consumer(self.params, None)
-        optimizer._in_backward = None
+        self.state.mode = None
         storage.flush()  # what a backward that raised left waiting: stored, not used
         if kind is not None:
             self.waiting, self.waiting_elements = [], 0  # stored, not used, likewise
             return
         if self.stopped:
             self._discard([p for p in self.params if p.grad is not None])
-            optimizer._skipped_on_host += 1
+            self.state.skipped += 1
             name = type(optimizer).__name__
             warnings.warn(
                 f"mixedopt.{name}: a gradient was inf or NaN in a step_in_backward() backward; "
@@ -160,7 +191,7 @@ class UpdatingBackward:
         optimizer.step()
         for p in left:
             p.grad = None
-        optimizer._updated_in_backward = True
+        self.state.updated = True
 
     def _discard(self, params: list[Tensor]) -> None:
         for p in params:
@@ -197,7 +228,7 @@ class UpdatingBackward:
         # As storage work, as in ``consume``: a release that comes in the middle of the update
         # (a finalizer: the garbage collector may run there) stores what waits in the shared
         # storage, which hands it to ``consume``; it must wait until the lock is free.
-        self.optimizer._grad_storage.run_as_storage_work(self._update_at_end)
+        self.storage.run_as_storage_work(self._update_at_end)
 
     @torch.no_grad()
     def _update_at_end(self) -> None:
@@ -214,14 +245,10 @@ class UpdatingBackward:
         if self.stopped:
             self._discard(params)
             return
-        optimizer = self.optimizer
-        by_group: list[list[Tensor]] = [[] for _ in optimizer.param_groups]
+        by_group: list[list[Tensor]] = [[] for _ in self.optimizer.param_groups]
         for p in params:
             by_group[self.group_of[id(p)]].append(p)
-        buckets, steps = optimizer._collect(by_group)  # as step() takes them
-        if (steps or buckets) and not optimizer._step_entries(
-            steps, None, None, on_host=True, buckets=buckets
-        ):
+        if not self.optimizer.update_in_backward(by_group):
             self.stopped = True
             self._discard(params)
             return
