@@ -8,7 +8,7 @@ gradients, optimizer state, and the temporaries of ``step()``) and what float16 
    variant's peak measured in a fresh child process); a full run exports the bytes plot to
    ``docs/memory_per_param.png``;
 3. ``optimizer.step_in_backward()``, which never holds the gradients of the whole model, from
-   ``mixedopt.bench_in_backward``;
+   ``mixedopt.bench.in_backward``;
 4. the GPU figures, when a GPU run of the benchmark was saved to ``docs/bench_gpu.json``.
 
 ``MEMORY`` holds its cells as ``(kind, source)`` pairs, ``kind`` being ``"md"`` or ``"code"``;
@@ -29,7 +29,7 @@ temporaries that exist only while `step()` runs. This notebook
 
 1. measures the persistent bytes on real optimizers after a step, by summing `nbytes`
    of the weights, the gradients and every tensor of the optimizer state;
-2. runs the benchmark module `mixedopt.bench` (the same as `python -m mixedopt.bench`)
+2. runs the benchmark module `mixedopt.bench.steps` (the same as `python -m mixedopt.bench`)
    for the peak memory of one step and the step times. Each variant's peak is measured
    in a fresh child process, from the resident-set high-water mark (`VmHWM`) of
    `/proc/self/status` after resetting it;
@@ -171,12 +171,12 @@ else:
     BENCH_ARGS += ["--numel", "2000000", "--params", "16", "--repeat", "20", "--threads", "1"]
 
 try:
-    import mixedopt.bench as bench
+    from mixedopt.bench import steps as bench
 except ImportError as error:
     bench = None
     print(
-        f"mixedopt.bench cannot be imported ({error}): the benchmark sections below are "
-        "skipped. Update mixedopt to a version that has `python -m mixedopt.bench`."
+        f"mixedopt.bench.steps cannot be imported ({error}): the benchmark sections below are "
+        "skipped. Update mixedopt to a version that has the `mixedopt.bench` subpackage."
     )
 
 cpu_run = None
@@ -431,7 +431,7 @@ if cpu_run is not None:
 as soon as their stored gradients reach 4Mi elements (8 MiB), and frees those gradients: the
 same weights as `loss.backward(); optimizer.step()`, without ever holding the gradients of the
 whole model.
-`mixedopt.bench_in_backward` measures the peak of a training iteration (Adam, batch 1, so
+`mixedopt.bench.in_backward` measures the peak of a training iteration (Adam, batch 1, so
 that activations are negligible) in bytes per parameter: everything the model, its optimizer
 and the iteration hold, weights (4 B) and Adam's state (8 B) included, each figure in a fresh
 process, for three forwards. With a float32 forward the mode removes the 2 B of float16
@@ -445,7 +445,7 @@ under autocast too. The full run uses 64 x Linear(1024, 1024) (67M parameters); 
     (
         "code",
         """
-from mixedopt import bench_in_backward
+from mixedopt.bench import in_backward as bench_in_backward
 
 if SMOKE:
     in_backward_size = {"layers": 8, "width": 512}

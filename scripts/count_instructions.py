@@ -1,7 +1,7 @@
 """Instructions an iteration of many small parameters executes, torch.optim next to mixedopt.
 
 Times on a shared CPU scatter by 10-30%; instruction counts do not. This runs the per-op regime
-of ``mixedopt.bench_small`` (64 x Linear(64, 64), batch 16, autocast(float16), one thread) under
+of ``mixedopt.bench.small`` (64 x Linear(64, 64), batch 16, autocast(float16), one thread) under
 ``valgrind --tool=callgrind`` and prints, per iteration, the instructions of the whole
 iteration, of ``backward()`` and of ``step()``, and, for mixedopt, of the two parts of its
 backward: the storage hooks (``PyFunctionPreHook``, one Python call per parameter) and the
@@ -46,10 +46,10 @@ def child(library: str, optimizer: str, part: str, iterations: int) -> None:
     import torch
 
     import mixedopt
-    from mixedopt import bench_small
+    from mixedopt.bench import small
 
     torch.set_num_threads(1)
-    net = bench_small.model(64, 64)
+    net = small.model(64, 64)
     params = net.parameters()
     if library in FLOOR:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))

@@ -1,9 +1,9 @@
 """The least a 16-bit gradient store costs per parameter, next to torch.optim and mixedopt.
 
-``python -m mixedopt.bench_small`` compares mixedopt with torch.optim on 64 x Linear(64, 64).
+``python -m mixedopt.bench.small`` compares mixedopt with torch.optim on 64 x Linear(64, 64).
 This asks what part of mixedopt's extra time any store of 16-bit gradients must pay with
 torch's Python API, whatever it computes. Five variants of SGD with momentum take turns
-iteration by iteration (``bench_small.time_in_turns``), on the same model and input:
+iteration by iteration (``mixedopt.bench.small.time_in_turns``), on the same model and input:
 
 * ``torch``: ``torch.optim.SGD(foreach=True)``, the reference.
 * ``torch + hooks``: the same, with a pre-hook that does nothing on each parameter's
@@ -40,9 +40,9 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 import mixedopt
-from mixedopt import bench_small
 from mixedopt._packing import ROW, RowLayout, ViewRuns, contiguous_strides
 from mixedopt._scales import any_non_finite, power_of_two_scale
+from mixedopt.bench import small
 
 LR, MOMENTUM = 1e-3, 0.9
 
@@ -160,9 +160,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=300, help="timed iterations (300)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     args = parser.parse_args()
-    timed = bench_small.time_in_turns(
-        list(VARIANTS.values()), repeat=args.repeat, device=args.device
-    )
+    timed = small.time_in_turns(list(VARIANTS.values()), repeat=args.repeat, device=args.device)
     found = [(name, net, medians) for name, (net, medians) in zip(VARIANTS, timed, strict=True)]
     print(
         f"64 x Linear(64, 64) on {args.device}, batch 16, autocast(float16), SGD with momentum, "
@@ -176,7 +174,7 @@ def main() -> None:
             for key in ("iteration", "backward", "step")
         ]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    steps = args.repeat + 7  # bench_small.time_in_turns's untimed iterations too
+    steps = args.repeat + 7  # small.time_in_turns's untimed iterations too
     print(f"\nLargest relative difference from torch's weights after {steps} steps:")
     torch_net = found[0][1]
     for name, net, _ in found[1:]:

@@ -18,7 +18,7 @@ tests=${PIPESTATUS[0]}
 timeout 200 python3 -m mixedopt.bench --device cuda --repeat 20 --json "$out/bench_gpu.json" \
     2>&1 | tee "$out/bench.txt"
 bench=${PIPESTATUS[0]}
-timeout 60 python3 -m mixedopt.bench_in_backward --device cuda --repeat 20 \
+timeout 60 python3 -m mixedopt.bench.in_backward --device cuda --repeat 20 \
     --json "$out/bench_in_backward_gpu.json" 2>&1 | tee "$out/in_backward.txt"
 timeout 40 python3 scripts/floor_small.py --device cuda --repeat 100 2>&1 | tee "$out/floor.txt"
 timeout 60 python3 -m mixedopt --device cuda 2>&1 | tee "$out/demo.txt"

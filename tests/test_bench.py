@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from mixedopt import _bench_format, _bench_setup, _bench_timing, bench, bench_launches, bench_small
+from mixedopt.bench import launches, small, steps, timing
+from mixedopt.bench.format import format_iteration
+from mixedopt.bench.setup import OPTIMIZERS
 
 NUMEL = 1 << 16
 PARAMS = 3
@@ -40,7 +42,7 @@ SMALL += ["--no-launches"]
 
 def _run(tmp_path, *extra):
     path = tmp_path / "bench.json"
-    assert bench.main([*SMALL, *extra, "--json", str(path)]) == 0
+    assert steps.main([*SMALL, *extra, "--json", str(path)]) == 0
     return json.loads(path.read_text())
 
 
@@ -53,7 +55,7 @@ def test_every_row_with_times_and_persistent_bytes(tmp_path, capsys):
     document = _run(tmp_path, "--no-memory", "--variants", ",".join(VARIANTS))
     rows = document["rows"]
     pairs = [(row["optimizer"], row["variant"]) for row in rows]
-    assert pairs == [(o, v) for o in _bench_setup.OPTIMIZERS for v in VARIANTS]
+    assert pairs == [(o, v) for o in OPTIMIZERS for v in VARIANTS]
 
     for row in rows:
         if not row["available"]:
@@ -141,7 +143,7 @@ def _can_reset_hwm():
 )
 def test_bad_arguments_are_argparse_errors(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        bench.main(argv)
+        steps.main(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert "error:" in err
@@ -150,29 +152,29 @@ def test_bad_arguments_are_argparse_errors(argv, capsys):
 
 
 def test_training_iteration_benchmark_compares_three_optimizers():
-    results = _bench_timing.iteration_benchmark(
+    results = timing.iteration_benchmark(
         torch.device("cpu"), width=16, layers=4, batch=2, repeat=2, warmup=0
     )
-    assert [r["variant"] for r in results] == list(_bench_timing.ITERATION_VARIANTS)
+    assert [r["variant"] for r in results] == list(timing.ITERATION_VARIANTS)
     assert results[0]["ratio"] == pytest.approx(1.0)
     assert all(r["median_ms"] > 0 and len(r["ms"]) == 2 for r in results)
     assert all(r["page_faults"] >= 0 for r in results)  # Linux counts them
-    table = _bench_format.format_iteration(results)
+    table = format_iteration(results)
     assert table.count("\n") == 1 + len(results)
 
 
 def test_many_small_parameters_regime_reports_operations_and_times():
-    text, figures = bench_small.report(repeat=2)
+    text, figures = small.report(repeat=2)
     counts = figures["op_counts"]
-    assert set(counts) == {pair for pair in bench_small.PAIRS if "fused" not in pair}
+    assert set(counts) == {pair for pair in small.PAIRS if "fused" not in pair}
     for by_library in counts.values():
         for found in by_library.values():
             assert found["128 params"]["backward"] > found["16 params"]["backward"] > 0
-    assert set(figures["iteration_ms"]) == set(bench_small.PAIRS)
+    assert set(figures["iteration_ms"]) == set(small.PAIRS)
     for found in figures["iteration_ms"].values():
         for library in ("torch", "mixedopt"):
             assert all(found[library][key] > 0 for key in ("iteration", "backward", "step"))
-    for pair in bench_small.PAIRS:
+    for pair in small.PAIRS:
         assert pair in text
 
 
@@ -184,13 +186,13 @@ def test_the_small_regime_times_the_model_of_layers_and_width(monkeypatch):
         one = {"iteration": 1.0, "backward": 1.0, "step": 1.0}
         return {"torch": one, "mixedopt": one}
 
-    monkeypatch.setattr(bench_small, "iteration_times", iteration_times)
-    text, _ = bench_small.report(repeat=2, layers=3, width=200)
-    assert timed == [(3, 200)] * len(bench_small.PAIRS)
+    monkeypatch.setattr(small, "iteration_times", iteration_times)
+    text, _ = small.report(repeat=2, layers=3, width=200)
+    assert timed == [(3, 200)] * len(small.PAIRS)
     assert "Training iteration of 3 x Linear(200, 200)" in text
 
 
-ROOT = Path(bench.__file__).resolve().parent.parent  # of this checkout
+ROOT = Path(steps.__file__).resolve().parents[2]  # of this checkout
 
 
 def run_python(argv, timeout):
@@ -214,7 +216,7 @@ def _progress_lines(err):
 
 @pytest.mark.parametrize("argv", [["--layers", "0"], ["--width", "-1"], ["--repeat", "0"]])
 def test_bench_small_refuses_counts_below_one(argv):
-    done = run_module("mixedopt.bench_small", argv, timeout=120)
+    done = run_module("mixedopt.bench.small", argv, timeout=120)
     assert done.returncode == 2
     assert f"argument {argv[0]}: must be at least 1" in done.stderr
 
@@ -243,11 +245,11 @@ def test_without_tqdm_the_iteration_and_small_parameter_phases_print_progress(
 ):
     monkeypatch.setitem(sys.modules, "tqdm", None)
     # Quick stand-ins: the fused variant compiles for seconds, the small regime runs minutes.
-    monkeypatch.delitem(_bench_timing.ITERATION_VARIANTS, "mixedopt AdamW fused")
-    monkeypatch.setattr(bench_small, "report", lambda repeat, device: ("small table", {}))
+    monkeypatch.delitem(timing.ITERATION_VARIANTS, "mixedopt AdamW fused")
+    monkeypatch.setattr(small, "report", lambda repeat, device: ("small table", {}))
     argv = [*SMALL, "--optimizers", "sgd", "--variants", "mixedopt", "--no-memory"]
     argv = [a for a in argv if a not in ("--no-iteration", "--no-small")]
-    assert bench.main([*argv, "--mlp-width", "8", "--mlp-batch", "2"]) == 0
+    assert steps.main([*argv, "--mlp-width", "8", "--mlp-batch", "2"]) == 0
     captured = capsys.readouterr()
     lines = _progress_lines(captured.err)
     total = 1 + 2 + 3 + 1  # stream; sgd's variant and rounds; 2 iteration variants + rounds; small
@@ -265,13 +267,13 @@ def test_the_launches_of_the_accelerator_path_are_printed_and_written(
     tmp_path, monkeypatch, capsys
 ):
     # One model and one optimizer: the counts themselves are tested in test_launches.py.
-    monkeypatch.setattr(bench_launches, "MODELS", {"Linear(64, 64)": (64, True)})
-    sgd = bench_launches.OPTIMIZERS["SGD momentum"]
-    monkeypatch.setattr(bench_launches, "OPTIMIZERS", {"SGD": sgd})
+    monkeypatch.setattr(launches, "MODELS", {"Linear(64, 64)": (64, True)})
+    sgd = launches.OPTIMIZERS["SGD momentum"]
+    monkeypatch.setattr(launches, "OPTIMIZERS", {"SGD": sgd})
     argv = [a for a in SMALL if a != "--no-launches"]
     path = tmp_path / "bench.json"
     argv += ["--optimizers", "sgd", "--variants", "mixedopt", "--no-memory", "--json", str(path)]
-    assert bench.main(argv) == 0
+    assert steps.main(argv) == 0
     (row,) = json.loads(path.read_text())["launches"]
     assert (row["model"], row["optimizer"]) == ("Linear(64, 64)", "SGD")
     assert row["mixedopt"]["step"] > row["torch"]["step"] > 0
@@ -313,7 +315,7 @@ def test_compile_column_shows_the_step_that_compiled(tmp_path):
 
 
 def test_step_in_backward_benchmark_prints_a_speed_row_per_model(capsys):
-    from mixedopt import bench_in_backward
+    from mixedopt.bench import in_backward as bench_in_backward
 
     assert bench_in_backward.main(["--no-memory", "--repeat", "2"]) == 0
     out = capsys.readouterr().out
@@ -323,7 +325,7 @@ def test_step_in_backward_benchmark_prints_a_speed_row_per_model(capsys):
 
 
 def test_step_in_backward_benchmark_times_the_mlp_depth_asked_for(capsys):
-    from mixedopt import bench_in_backward
+    from mixedopt.bench import in_backward as bench_in_backward
 
     argv = ["--no-memory", "--repeat", "1", "--autocast-dtype", "bfloat16", "--mlp-layers", "2"]
     assert bench_in_backward.main(argv) == 0
@@ -333,15 +335,15 @@ def test_step_in_backward_benchmark_times_the_mlp_depth_asked_for(capsys):
 
 
 def test_in_turn_starts_each_round_with_the_next_variant():
-    rounds = [bench_small.in_turn(["a", "b", "c"], i) for i in range(4)]
+    rounds = [small.in_turn(["a", "b", "c"], i) for i in range(4)]
     assert rounds == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
-    assert bench_small.in_turn([], 3) == []
+    assert small.in_turn([], 3) == []
 
 
 def test_step_in_backward_benchmark_times_forwards_in_the_autocast_dtype_asked_for(
     capsys, monkeypatch
 ):
-    from mixedopt import bench_in_backward
+    from mixedopt.bench import in_backward as bench_in_backward
 
     monkeypatch.setattr(bench_in_backward, "SPEED_MODELS", {"2 x Linear(8, 8)": (2, 8, 4)})
     outputs = []

@@ -1,6 +1,6 @@
 """What a GPU pays: kernel launches and host synchronisations of the accelerator path.
 
-Counted on meta parameters (``mixedopt.bench_launches``), which take every branch mixedopt takes
+Counted on meta parameters (``mixedopt.bench.launches``), which take every branch mixedopt takes
 on an accelerator, against torch.optim with ``foreach=True`` (what torch picks on CUDA), for 4
 and 16 layers of small and large ``Linear`` weights: per parameter, the launches added with each
 parameter; the constant, what is left at 16 layers, backward and step together.
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import mixedopt
-from mixedopt.bench_launches import MODELS, OPTIMIZERS, LaunchCounter, launch_counts, launch_table
+from mixedopt.bench.launches import MODELS, OPTIMIZERS, LaunchCounter, launch_counts, launch_table
 
 LARGE = ["Linear(2048, 2048)", "Linear(4096, 4096)"]
 

@@ -7,7 +7,7 @@ import os
 import pytest
 from helpers import peak_in_child
 
-from mixedopt import bench_in_backward
+from mixedopt.bench import in_backward
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs"
@@ -78,13 +78,13 @@ def test_the_measurement_sees_a_full_size_temporary():
 
 
 # step_in_backward(): 64 x Linear(1024, 1024), 67M parameters, Adam, batch 1, float32 forward
-# (bench_in_backward's memory table): weights 4 B + state 8 B + what the iteration holds.
-IN_BACKWARD = f"mixedopt.Adam, {bench_in_backward.IN_BACKWARD}"
-STEPPED = f"mixedopt.Adam, {bench_in_backward.STEPPED}"
+# (mixedopt.bench.in_backward's memory table): weights 4 B + state 8 B + what the iteration holds.
+IN_BACKWARD = f"mixedopt.Adam, {in_backward.IN_BACKWARD}"
+STEPPED = f"mixedopt.Adam, {in_backward.STEPPED}"
 
 
 def bytes_per_param(mode, forward="float32"):
-    (found,) = bench_in_backward.memory_table(modes=[mode], forwards=[forward])[mode].values()
+    (found,) = in_backward.memory_table(modes=[mode], forwards=[forward])[mode].values()
     assert "error" not in found, found["error"]
     assert found["params"] >= 64_000_000
     return found["bytes_per_param"]

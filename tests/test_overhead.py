@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import mixedopt
-from mixedopt.bench_small import op_counts, per_parameter
+from mixedopt.bench.small import op_counts, per_parameter
 
 EXTRA = 112  # parameters between 8 and 64 layers
 
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.filterwarnings(
 PAIRS = {
     "Adam": (lambda p: torch.optim.Adam(p, foreach=True), lambda p: mixedopt.Adam(p)),
     "AdamW": (lambda p: torch.optim.AdamW(p, foreach=True), lambda p: mixedopt.AdamW(p)),
-    # lr=1e-3 as in mixedopt.bench_small: at RMSprop's default 1e-2 the 64-layer model's float16
+    # lr=1e-3 as in mixedopt.bench.small: at RMSprop's default 1e-2 the 64-layer model's float16
     # activations overflow after the two warm-up steps, and the counted step is a skipped one.
     "RMSprop": (
         lambda p: torch.optim.RMSprop(p, lr=1e-3, foreach=True),

@@ -1,4 +1,4 @@
-"""``python -m mixedopt.bench_in_backward``: what ``step_in_backward()`` saves, and what it costs.
+"""``python -m mixedopt.bench.in_backward``: what ``step_in_backward()`` saves, and what it costs.
 
 Memory
     Bytes per parameter at the peak of a training iteration of ``--layers x Linear(--width,
@@ -17,7 +17,7 @@ Memory
     parameter at the start of backward, whatever the optimizer); and under
     ``mixedopt.autocast(float16)``, which saves none and casts the weights again in backward.
 
-    On a CPU each figure comes from a fresh interpreter (``_bench_memory.run_memory_child``): two
+    On a CPU each figure comes from a fresh interpreter (``memory.run_memory_child``): two
     iterations (the state exists), a reset of the resident-set high-water mark, one iteration,
     then VmHWM; on CUDA from the allocator's peak.
 
@@ -45,7 +45,10 @@ from torch import nn
 
 import mixedopt
 
-from . import _bench_memory, _bench_timing, bench, bench_small
+from . import small
+from .memory import malloc_trim, proc_status, reset_hwm, run_memory_child
+from .setup import positive
+from .timing import timed
 
 STEPPED = "backward(); step()"
 IN_BACKWARD = "step_in_backward()"
@@ -76,7 +79,7 @@ SPEED_MODELS = speed_models()
 
 def scaled_model(layers: int, width: int, device: str = "cpu") -> nn.Module:
     """``layers x Linear(width, width)`` whose activations keep their size through the layers."""
-    model = bench_small.model(layers, width, device=device)
+    model = small.model(layers, width, device=device)
     with torch.no_grad():
         for layer in model.children():
             assert isinstance(layer, nn.Linear)
@@ -115,7 +118,7 @@ def iteration(
 def _allocated(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
-    return _bench_memory._proc_status()["VmRSS"]
+    return proc_status()["VmRSS"]
 
 
 def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +140,7 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
         tiny_opt.remove_grad_storage()
     del tiny, tiny_opt
     gc.collect()
-    _bench_memory._malloc_trim()
+    malloc_trim()
     before = _allocated(device)
     model, opt = run(spec["layers"], spec["width"], 2)  # the state exists
     x = torch.randn(1, spec["width"], device=device)
@@ -146,14 +149,14 @@ def peak_bytes_per_parameter(spec: dict[str, Any]) -> dict[str, Any]:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
     else:
-        _bench_memory._malloc_trim()
-        _bench_memory._reset_hwm()
+        malloc_trim()
+        reset_hwm()
     iteration(model, opt, x, in_backward, spec["forward"])
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        peak = _bench_memory._proc_status()["VmHWM"]
+        peak = proc_status()["VmHWM"]
     params = sum(p.numel() for p in model.parameters())
     if hasattr(opt, "remove_grad_storage"):
         opt.remove_grad_storage()
@@ -183,8 +186,8 @@ def memory_table(
                 "forward": forward,
             }
             if torch.device(device).type == "cpu":
-                result = _bench_memory.run_memory_child(
-                    "mixedopt.bench_in_backward", ["--child", json.dumps(spec)]
+                result = run_memory_child(
+                    "mixedopt.bench.in_backward", ["--child", json.dumps(spec)]
                 )
             else:
                 result = peak_bytes_per_parameter(spec)
@@ -216,7 +219,7 @@ def iteration_times(
     x = torch.randn(batch, width, device=device)
     runs: dict[str, tuple[Callable[[], None], Any, list[float]]] = {}
     for name, (in_backward, forward) in SPEED_WAYS.items():
-        model = bench_small.model(layers, width, device=device)
+        model = small.model(layers, width, device=device)
         opt = mixedopt.AdamW(model.parameters())
 
         def run(
@@ -231,8 +234,8 @@ def iteration_times(
             run()
         runs[name] = (run, opt, [])
     for round_index in range(repeat):
-        for timed, _, times in bench_small.in_turn(list(runs.values()), round_index):
-            times.append(1e3 * _bench_timing._timed(timed, x.device))
+        for iterate, _, times in small.in_turn(list(runs.values()), round_index):
+            times.append(1e3 * timed(iterate, x.device))
     for _, opt, _ in runs.values():
         opt.remove_grad_storage()
     return {name: statistics.median(times) for name, (_, _, times) in runs.items()}
@@ -297,12 +300,12 @@ def report(
 def main(argv: Sequence[str] | None = None) -> int:
     """Print both tables (``--no-memory``: the speed table only); return the exit status."""
     parser = argparse.ArgumentParser(
-        prog="python -m mixedopt.bench_in_backward",
+        prog="python -m mixedopt.bench.in_backward",
         description="Memory and speed of step_in_backward() next to backward(); step().",
     )
-    parser.add_argument("--layers", type=bench._positive, default=64, help="memory model (64)")
-    parser.add_argument("--width", type=bench._positive, default=1024, help="its width (1024)")
-    parser.add_argument("--repeat", type=bench._positive, default=50, help="timed iterations")
+    parser.add_argument("--layers", type=positive, default=64, help="memory model (64)")
+    parser.add_argument("--width", type=positive, default=1024, help="its width (1024)")
+    parser.add_argument("--repeat", type=positive, default=50, help="timed iterations")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--no-memory", dest="memory", action="store_false", help="speed only")
     parser.add_argument(
@@ -314,7 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument(
         "--mlp-layers",
-        type=bench._positive,
+        type=positive,
         help="layers of the timed 1024-wide MLP (4); more than 4 update some in backward",
     )
     parser.add_argument("--json", metavar="PATH", help="also write the figures")

@@ -16,7 +16,7 @@ of ``Linear`` layers at two depths; ``launch_table`` gives, for the models and o
 what mixedopt launches beyond torch.optim per parameter (the difference between the depths over
 the parameters added) and the constant left at the deeper one, backward and step together.
 
-``python -m mixedopt.bench_launches`` prints the table (a few seconds);
+``python -m mixedopt.bench.launches`` prints the table (a few seconds);
 ``python -m mixedopt.bench`` prints it too.
 """
 
@@ -170,7 +170,7 @@ def launch_table() -> list[Row]:
 
 
 def format_launch_table(rows: Sequence[Row]) -> str:
-    """The table ``python -m mixedopt.bench_launches`` prints."""
+    """The table ``python -m mixedopt.bench.launches`` prints."""
     deep = LAYERS[1]
     header = (
         "model",
@@ -217,7 +217,7 @@ def format_launch_table(rows: Sequence[Row]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the launch table."""
     parser = argparse.ArgumentParser(
-        prog="python -m mixedopt.bench_launches",
+        prog="python -m mixedopt.bench.launches",
         description="Count the kernel launches and host synchronisations of the accelerator "
         "path (meta parameters) of mixedopt and torch.optim(foreach=True).",
     )

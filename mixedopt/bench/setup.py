@@ -3,11 +3,13 @@
 The optimizers (``OPTIMIZERS``) and the variants of each (``VARIANTS``: torch.optim with
 ``foreach=True`` or ``fused=True``, mixedopt with its defaults or ``fused=True``), ``build``
 that makes a variant's parameters, gradients and optimizer, ``teardown`` that frees them, and
-``Row``, one optimizer x variant of the results.
+``Row``, one optimizer x variant of the results. Also two helpers the other modules share:
+``first_line`` of an error message, and ``positive``, the type of a count on a command line.
 """
 
 from __future__ import annotations
 
+import argparse
 import inspect
 from dataclasses import dataclass, field
 from typing import Any
@@ -68,9 +70,18 @@ class Row:
     warnings: list[str] = field(default_factory=list)  # first lines, raised by the steps
 
 
-def _first_line(error: BaseException | Warning | str) -> str:
+def first_line(error: BaseException | Warning | str) -> str:
+    """The first line of ``error``'s message, or its type's name where it has none."""
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
+
+
+def positive(text: str) -> int:
+    """A count of at least 1 on a command line (``2_000_000`` reads as 2000000)."""
+    value = int(text.replace("_", ""))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def build(
@@ -95,14 +106,14 @@ def build(
         try:
             opt = cls(params, fused=True, **kwargs)
         except Exception as error:  # whatever the reason, the row says it
-            raise Unavailable(_first_line(error)) from None
+            raise Unavailable(first_line(error)) from None
     elif variant == "mixedopt":
         opt = getattr(mixedopt, class_name)(params, **kwargs)
     elif variant == "mixedopt-fused":
         try:
             opt = getattr(mixedopt, class_name)(params, fused=True, **kwargs)
         except Exception as error:  # whatever the reason, the row says it
-            raise Unavailable(_first_line(error)) from None
+            raise Unavailable(first_line(error)) from None
     else:
         raise ValueError(f"unknown variant {variant!r}")
     # The optimizer exists first: a mixedopt one decides what backward() leaves in .grad. The

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 
 import mixedopt
-from mixedopt import bench_small
 
-from ._bench_memory import cuda_peak, persistent_bytes
-from ._bench_setup import VARIANTS, Row, Unavailable, _first_line, build, teardown
+from .memory import cuda_peak, persistent_bytes
+from .setup import VARIANTS, Row, Unavailable, build, first_line, teardown
+from .small import in_turn
 
 _QUIET_WARNINGS = (DeprecationWarning, PendingDeprecationWarning)
 
@@ -53,7 +53,8 @@ def _graphs_compiled() -> int | None:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _timed(fn: Callable[[], Any], device: torch.device) -> float:
+def timed(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn()`` takes, the device synchronised before and after."""
     _synchronize(device)
     start = time.perf_counter()
     fn()
@@ -83,7 +84,7 @@ def stream_bandwidth(device: torch.device, mib: int, repeat: int = 10) -> dict[s
     for name, kernel in kernels.items():
         for _ in range(2):
             kernel()
-        seconds = statistics.median(_timed(kernel, device) for _ in range(repeat))
+        seconds = statistics.median(timed(kernel, device) for _ in range(repeat))
         found[name] = 2 * x.nbytes / seconds
     return found
 
@@ -104,7 +105,7 @@ class _Running:
         before = _graphs_compiled()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            ms = 1e3 * _timed(self.opt.step, device)
+            ms = 1e3 * timed(self.opt.step, device)
         after = _graphs_compiled()
         self.compiled.append(before is not None and after is not None and after > before)
         self.caught += caught
@@ -146,7 +147,7 @@ def run_optimizer(
                 _drop_after_failed_step(running, each, error)
         tell(f"{optimizer}: {_count(args.repeat, 'timed step')} of each variant, in turn")
         for round_index in range(args.repeat):
-            for each in bench_small.in_turn(running, round_index):
+            for each in in_turn(running, round_index):
                 try:
                     each.row.step_ms.append(each.timed_step(device))
                 except Exception as error:
@@ -168,7 +169,7 @@ def _drop_after_failed_step(running: list[_Running], each: _Running, error: Exce
     running.remove(each)
     row = each.row
     row.available = False
-    row.reason = f"step() raised {type(error).__name__}: {_first_line(error)}"
+    row.reason = f"step() raised {type(error).__name__}: {first_line(error)}"
     row.first_step_ms, row.warmup_ms, row.step_ms = None, [], []
     teardown(each.params, each.opt)
 
@@ -178,7 +179,7 @@ def _finish(args: argparse.Namespace, each: _Running, device: torch.device) -> N
     row, params, opt = each.row, each.params, each.opt
     # Deprecation notices come from torch's own imports (torch.compile's, say): not the row's.
     found = [w for w in each.caught if not issubclass(w.category, _QUIET_WARNINGS)]
-    row.warnings = list(dict.fromkeys(_first_line(w.message) for w in found))
+    row.warnings = list(dict.fromkeys(first_line(w.message) for w in found))
     # Which of the first and warm-up steps compiled, if any: mixedopt-fused's second one where
     # its kernels update a parameter (its first step creates the state on the default path).
     untimed = [row.first_step_ms, *row.warmup_ms]
@@ -256,9 +257,9 @@ def iteration_benchmark(
     times: dict[str, list[float]] = {name: [] for name in iterations}
     faults: dict[str, list[int]] = {name: [] for name in iterations}
     for round_index in range(repeat):
-        for name, timed in bench_small.in_turn(list(iterations.items()), round_index):
+        for name, run in in_turn(list(iterations.items()), round_index):
             before = _page_faults()
-            times[name].append(1e3 * _timed(timed, device))
+            times[name].append(1e3 * timed(run, device))
             after = _page_faults()
             if before is not None and after is not None:
                 faults[name].append(after - before)

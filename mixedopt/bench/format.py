@@ -10,7 +10,7 @@ import torch
 
 import mixedopt
 
-from ._bench_setup import VARIANTS, Row
+from .setup import VARIANTS, Row
 
 
 def format_iteration(results: list[dict[str, Any]]) -> str:

@@ -1,7 +1,7 @@
 """The peak extra memory of one optimizer step, for ``python -m mixedopt.bench``.
 
 Also the bytes a variant holds (``persistent_bytes``), and the child processes and ``/proc``
-readings that ``mixedopt.bench_in_backward`` measures its memory with.
+readings that ``mixedopt.bench.in_backward`` measures its memory with.
 
 Peak memory on CPU
     Each variant is set up again in a fresh child process (``python -m mixedopt.bench`` run
@@ -47,13 +47,13 @@ from torch import nn
 
 import mixedopt
 
-from ._bench_setup import build, teardown
+from .setup import build, teardown
 
 # Child memory runs: blocks from this size on go to mmap and back to the kernel when freed.
 _MMAP_THRESHOLD = 128 * 1024
 # Slack when checking that VmHWM was reset to VmRSS: reading /proc itself may touch a page or two.
 _RESET_SLACK = 256 * 1024
-_CHILD_FLAG = "--_memory-child"
+CHILD_FLAG = "--_memory-child"
 
 
 def persistent_bytes(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> int:
@@ -69,7 +69,7 @@ def persistent_bytes(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> 
     return total
 
 
-def _proc_status() -> dict[str, int]:
+def proc_status() -> dict[str, int]:
     """VmRSS and VmHWM of this process, in bytes."""
     found = {}
     with open("/proc/self/status") as status:
@@ -80,7 +80,8 @@ def _proc_status() -> dict[str, int]:
     return found
 
 
-def _reset_hwm() -> None:
+def reset_hwm() -> None:
+    """Reset this process's VmHWM to its VmRSS, where the kernel can (Linux 4.0 and later)."""
     try:
         with open("/proc/self/clear_refs", "w") as clear_refs:
             clear_refs.write("5")
@@ -88,7 +89,8 @@ def _reset_hwm() -> None:
         pass  # the caller sees that VmHWM stayed above VmRSS
 
 
-def _malloc_trim() -> None:
+def malloc_trim() -> None:
+    """Hand the C library's free heap memory back to the system (glibc only)."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):
@@ -102,11 +104,11 @@ def child_memory(spec: dict[str, Any]) -> dict[str, Any]:
     for _ in range(1 + max(1, spec["warmup"])):
         opt.step()
     gc.collect()
-    _malloc_trim()
-    _reset_hwm()
-    before = _proc_status()
+    malloc_trim()
+    reset_hwm()
+    before = proc_status()
     opt.step()
-    after = _proc_status()
+    after = proc_status()
     baseline = before["VmRSS"]
     reset = before["VmHWM"] <= baseline + _RESET_SLACK
     rose = after["VmHWM"] > before["VmHWM"]
@@ -151,7 +153,7 @@ def run_memory_child(module: str, arguments: Sequence[str]) -> dict[str, Any]:
 
 def measure_memory_in_child(spec: dict[str, Any], threads: int) -> dict[str, Any]:
     """Run :func:`child_memory` in a new interpreter; its result, or ``{"error": ...}``."""
-    arguments = ["--threads", str(threads), "--device", "cpu", _CHILD_FLAG, json.dumps(spec)]
+    arguments = ["--threads", str(threads), "--device", "cpu", CHILD_FLAG, json.dumps(spec)]
     return run_memory_child("mixedopt.bench", arguments)
 
 

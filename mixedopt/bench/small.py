@@ -16,13 +16,14 @@ Two measurements, side by side with torch.optim:
   them alike. Ratios are mixedopt's time over torch.optim's: lower is faster.
 
 ``python -m mixedopt.bench`` prints both (``--no-small`` leaves them out);
-``python -m mixedopt.bench_small [--repeat N] [--layers N] [--width N]`` prints them alone (a
+``python -m mixedopt.bench.small [--repeat N] [--layers N] [--width N]`` prints them alone (a
 width above 181 on a CPU makes each weight larger than a bucket takes: the regime of gradients
 stored alone, just above that limit).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
+
+from .setup import positive
 
 T = TypeVar("T")
 
@@ -256,25 +259,20 @@ def report(
 
 
 if __name__ == "__main__":
-    import argparse
-
-    # Run as a script, this module is not the one ``bench`` imports: no import cycle.
-    from mixedopt.bench import _positive
-
     parser = argparse.ArgumentParser(
-        prog="python -m mixedopt.bench_small",
+        prog="python -m mixedopt.bench.small",
         description="The many-small-parameters regime alone: operations dispatched per backward "
         "and per step, and iteration times of --layers x Linear(--width, --width) (64 x "
         "Linear(64, 64) by default), mixedopt next to torch.optim.",
     )
-    parser.add_argument("--repeat", type=_positive, default=100, help="timed iterations (100)")
+    parser.add_argument("--repeat", type=positive, default=100, help="timed iterations (100)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument(
-        "--layers", type=_positive, default=64, help="Linear layers of the timed model (64)"
+        "--layers", type=positive, default=64, help="Linear layers of the timed model (64)"
     )
     parser.add_argument(
         "--width",
-        type=_positive,
+        type=positive,
         default=64,
         help="their width (64); above 181 on a CPU each weight is larger than a bucket takes "
         "(32Ki elements), and its gradient is stored alone",

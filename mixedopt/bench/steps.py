@@ -13,7 +13,7 @@ float16 with a power-of-two scale), and times ``step()`` alone: the gradients ar
 steps, nothing is zeroed. Every variant gets fresh parameters with the same values. The variants
 of one optimizer are timed in turn, one step each per round, so that the machine slowing down or
 speeding up while they run changes all of them alike (their ratios are what the table is for);
-each round starts with the next variant (``bench_small.in_turn``).
+each round starts with the next variant (``small.in_turn``).
 A variant whose construction or step raises is shown as unavailable, with the first line of the
 error as the reason; warnings raised by its steps go to the note column.
 
@@ -31,7 +31,7 @@ Columns
       the ratio to the ``torch-foreach`` row of the same optimizer;
     * persistent bytes per parameter: the ``nbytes`` of the weights, the gradients and every
       tensor in the optimizer state (0-dim step counters included), over the number of elements;
-    * peak extra memory of one step once the state exists (``mixedopt._bench_memory`` says
+    * peak extra memory of one step once the state exists (``mixedopt.bench.memory`` says
       how it is measured);
     * achieved GB/s: the bytes a step has to move at the very least (per element: read the
       gradient, 2 B in float16 or 4 B in float32; read and write the weight, 8 B; read and write
@@ -44,17 +44,17 @@ Columns
       updates above 100%. A step can still exceed 100% when its tensors fit in the caches.
 
 After the tables, the kernel launches and host synchronisations of the accelerator path,
-counted on meta parameters for small and large ``Linear`` layers (``mixedopt.bench_launches``;
+counted on meta parameters for small and large ``Linear`` layers (``mixedopt.bench.launches``;
 ``--no-launches`` leaves them out): what a GPU pays per parameter, counted on any machine.
 
 On a CPU shared with other busy processes, torch's worker threads wait on one another at
 every operation and step times can grow tenfold; ``--threads 1`` gives steadier numbers there.
 
 Stages
-    This module is the command line; the stages are modules of their own: ``_bench_setup``
-    (what is compared, building a variant), ``_bench_timing`` (the timed steps and iterations,
-    the stream bandwidth), ``_bench_memory`` (peak memory; on CPU in a child process, which is
-    this module run with a hidden flag) and ``_bench_format`` (the tables).
+    This module is the command line; the stages are modules of their own: ``setup``
+    (what is compared, building a variant), ``timing`` (the timed steps and iterations,
+    the stream bandwidth), ``memory`` (peak memory; on CPU in a child process, which is
+    ``python -m mixedopt.bench`` run with a hidden flag) and ``format`` (the tables).
 """
 
 from __future__ import annotations
@@ -70,12 +70,11 @@ from typing import Any
 
 import torch
 
-from mixedopt import bench_launches, bench_small
-
-from ._bench_format import format_iteration, format_table, machine_info
-from ._bench_memory import _CHILD_FLAG, child_memory, measure_memory_in_child
-from ._bench_setup import BASELINE, OPTIMIZERS, VARIANTS, Row
-from ._bench_timing import ITERATION_VARIANTS, iteration_benchmark, run_optimizer, stream_bandwidth
+from . import launches, small
+from .format import format_iteration, format_table, machine_info
+from .memory import CHILD_FLAG, child_memory, measure_memory_in_child
+from .setup import BASELINE, OPTIMIZERS, VARIANTS, Row, positive
+from .timing import ITERATION_VARIANTS, iteration_benchmark, run_optimizer, stream_bandwidth
 
 
 def _choices(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
@@ -93,13 +92,6 @@ def _choices(known: Sequence[str], what: str) -> Callable[[str], list[str]]:
     return parse
 
 
-def _positive(text: str) -> int:
-    value = int(text.replace("_", ""))
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -115,9 +107,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "next to mixedopt, on the same parameters and gradients.",
     )
     parser.add_argument(
-        "--numel", type=_positive, default=2_000_000, help="elements per parameter (2_000_000)"
+        "--numel", type=positive, default=2_000_000, help="elements per parameter (2_000_000)"
     )
-    parser.add_argument("--params", type=_positive, default=16, help="parameters (default 16)")
+    parser.add_argument("--params", type=positive, default=16, help="parameters (default 16)")
     parser.add_argument(
         "--optimizers",
         type=_choices(list(OPTIMIZERS), "optimizer"),
@@ -137,7 +129,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="default: cuda when available",
     )
     parser.add_argument(
-        "--repeat", type=_positive, default=20, help="timed steps per variant (default 20)"
+        "--repeat", type=positive, default=20, help="timed steps per variant (default 20)"
     )
     parser.add_argument(
         "--warmup",
@@ -147,13 +139,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--stream-mib",
-        type=_positive,
+        type=positive,
         default=256,
         help="size of the tensor of the stream-bandwidth measurement (default 256)",
     )
     parser.add_argument(
         "--threads",
-        type=_positive,
+        type=positive,
         default=None,
         help="CPU threads for torch (default: torch's own choice)",
     )
@@ -176,22 +168,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_false",
         help="skip the many-small-parameters regime (64 x Linear(64, 64): dispatched operations "
         "per backward and per step, iteration times over 5 x --repeat iterations, 100 at "
-        "least; see mixedopt.bench_small)",
+        "least; see mixedopt.bench.small)",
     )
     parser.add_argument(
         "--no-launches",
         dest="launches",
         action="store_false",
         help="skip the kernel launches of the accelerator path, counted on meta parameters "
-        "(small and large Linear layers; see mixedopt.bench_launches)",
+        "(small and large Linear layers; see mixedopt.bench.launches)",
     )
     parser.add_argument(
-        "--mlp-width", type=_positive, default=1024, help="MLP width for the iteration (1024)"
+        "--mlp-width", type=positive, default=1024, help="MLP width for the iteration (1024)"
     )
     parser.add_argument(
-        "--mlp-batch", type=_positive, default=64, help="batch size for the iteration (64)"
+        "--mlp-batch", type=positive, default=64, help="batch size for the iteration (64)"
     )
-    parser.add_argument(_CHILD_FLAG, dest="memory_child", help=argparse.SUPPRESS)
+    parser.add_argument(CHILD_FLAG, dest="memory_child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda was asked for, but CUDA is not available")
@@ -353,26 +345,26 @@ def _measure_and_print(
         )
         out()
         out(format_iteration(iteration))
-    small: dict[str, Any] = {}
+    small_figures: dict[str, Any] = {}
     if args.small:
         # Iterations of a few milliseconds: more of them than of the large steps.
         small_repeat = max(5 * args.repeat, 100)
         progress(
             f"many small parameters: operation counts, then {small_repeat} iterations of each "
-            f"of {len(bench_small.PAIRS)} optimizer pairs"
+            f"of {len(small.PAIRS)} optimizer pairs"
         )
-        text, small = bench_small.report(repeat=small_repeat, device=args.device)
+        text, small_figures = small.report(repeat=small_repeat, device=args.device)
         out()
         out("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
         out()
         out(text)
-    launches: list[dict[str, Any]] = []
+    launch_rows: list[dict[str, Any]] = []
     if args.launches:
         progress("kernel launches of the accelerator path, counted on meta parameters")
-        counted = bench_launches.launch_table()
-        launches = [asdict(row) for row in counted]
+        counted = launches.launch_table()
+        launch_rows = [asdict(row) for row in counted]
         out()
-        out(bench_launches.format_launch_table(counted))
+        out(launches.format_launch_table(counted))
     if args.json:
         document = {
             "machine": info,
@@ -388,8 +380,8 @@ def _measure_and_print(
             },
             "rows": [asdict(row) for row in rows],
             "iteration": iteration,
-            "small": small,
-            "launches": launches,
+            "small": small_figures,
+            "launches": launch_rows,
         }
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
     return 0
