@@ -1,5 +1,6 @@
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 # CI runs every property 200 times; locally a quicker profile. Deadlines are off: a first call
@@ -13,3 +14,27 @@ settings.register_profile(
 )
 settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+# Markers, by test module: ``pytest -m "not slow"`` is the quick loop of a change (a minute);
+# the README's test command runs everything. Hypothesis properties are slow wherever they are.
+MODULE_MARKERS = {
+    "test_bench": ("slow",),  # benchmarks in child processes
+    "test_compiled_backward": ("slow",),  # torch.compile
+    "test_cuda": ("cuda",),  # skipped without a CUDA device
+    "test_demo": ("slow",),  # the side-by-side demo
+    "test_distributed": ("slow", "distributed"),  # process groups
+    "test_fused": ("slow",),  # torch.compile
+    "test_launches": ("slow",),  # counts whole training iterations of several models
+    "test_memory": ("slow",),  # peaks measured in child processes
+    "test_notebooks": ("slow", "notebooks"),  # executes the notebooks
+    "test_optim_db": ("slow",),  # PyTorch's own optimizer tests
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        for name in MODULE_MARKERS.get(module.rpartition(".")[2], ()):
+            item.add_marker(name)
+        if getattr(item.obj, "is_hypothesis_test", False):
+            item.add_marker("slow")

@@ -122,6 +122,7 @@ def test_step_in_backward_under_it_gives_the_weights_of_backward_then_step():
         assert torch.equal(p, q)
 
 
+@pytest.mark.slow  # torch.compile
 def test_a_compiled_model_gets_the_gradients_of_torch_autocast():
     net, twin = two_linears(), two_linears()
     x = torch.randn(4, 8)

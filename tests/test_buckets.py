@@ -185,6 +185,7 @@ def backward_peak(library):
     return peak_in_child(MEASURE, library, COUNT, NUMEL)
 
 
+@pytest.mark.slow  # peaks measured in child processes
 @pytest.mark.skipif(
     not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs"
 )

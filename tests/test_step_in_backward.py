@@ -85,6 +85,7 @@ def test_updating_backward_gives_the_weights_and_state_of_backward_then_step(
             pair.assert_equal()
 
 
+@pytest.mark.slow  # torch.compile
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_fused_updating_backward_gives_the_weights_of_a_fused_step(name):
     kwargs = {"lr": 1e-2, "fused": True}
