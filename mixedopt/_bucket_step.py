@@ -12,7 +12,7 @@ a loss scale are only copied: they hold true values), and its views go to the pa
 functional update, per parameter group. That is ``BucketSteps`` (mixed into
 ``MixedPrecisionOptimizer``).
 
-Everything else takes the reference path (``EntrySteps`` of ``_entry_step.py``: ``_entries``
+Everything else takes the reference path (``ReferenceSteps`` of ``_reference_step.py``: ``_entries``
 and ``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
 gradient's norm), gradients stored alone, assigned or changed in place, a bucket shared with
 another optimizer, and parameters a ``fused=True`` group updates with compiled kernels. Both
@@ -47,21 +47,22 @@ class BucketSteps:
     _grad_storage: GradientStorage
     _workspace: Workspace
     _group_index: GroupIndex
-    _torch_fused: bool
+    _parent_has_torch_fused: bool
     # The optimizer's own hooks (MixedPrecisionOptimizer and the optimizer files).
     _state_keys: Callable[[dict[str, Any]], list[str]]
     _update: Callable[..., None]
 
     def _take_whole_buckets(
         self, params: list[list[Tensor]] | None = None
-    ) -> tuple[list[WholeBucket], int]:
+    ) -> tuple[list[WholeBucket], int | None]:
         """The buckets this step updates on its own path, and how many gradients it leaves.
 
-        Among ``params`` (a list per parameter group; default: all of them). None with
-        ``max_grad_norm``. Each bucket taken has the state of its parameters.
+        Among ``params`` (a list per parameter group; default: all of them). No bucket, and
+        ``None`` left (not looked for), with ``max_grad_norm``. Each bucket taken has the state
+        of its parameters.
         """
         if self.max_grad_norm is not None:
-            return [], -1  # left: unknown, the reference path looks
+            return [], None  # not looked for: the reference path looks at every gradient
         groups = self.param_groups
         if params is None:
             params = [group["params"] for group in groups]
@@ -97,9 +98,9 @@ class BucketSteps:
         (index,) = bucket.groups
         params = bucket.params
         if fused[index] and (
-            not self._torch_fused
+            not self._parent_has_torch_fused
             or max(bucket.rows.layout.numels) > budget(bucket.rows.stored.device).fused_small
-            or not dense(params)  # see _entry_step.EntrySteps._fused
+            or not dense(params)  # see _reference_step.ReferenceSteps._takes_torch_fused
         ):
             return None
         if not keys[index]:  # like the parent, an optimizer without state (SGD) records none
@@ -120,7 +121,9 @@ class BucketSteps:
         states = []
         for index, param in zip(bucket.indices, bucket.params, strict=True):
             if fused[index] and (
-                not self._torch_fused or param.numel() > fused_small or not dense([param])
+                not self._parent_has_torch_fused
+                or param.numel() > fused_small
+                or not dense([param])
             ):
                 return None
             if keys[index]:

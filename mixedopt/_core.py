@@ -4,11 +4,11 @@
 gradient storage (``_storage.py``) at construction. Its ``step()`` first takes the buckets
 backward stored whose gradients are all its own and untouched (``BucketSteps`` of
 ``_bucket_step.py``: nothing per parameter but its state). For the other gradients (the
-reference path, ``EntrySteps`` of ``_entry_step.py``) it finds, for all of them at once, each
-gradient's factor (1 / storage scale x 1 / loss scale x clip coefficient); the step is skipped
-if any gradient of either kind is inf or NaN. It then updates each group on one of two paths:
-the default one (``_default_step.py``: float32 gradients in bounded batches, handed to the
-parent's public functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True``
+reference path, ``ReferenceSteps`` of ``_reference_step.py``) it finds, for all of them at once,
+each gradient's factor (1 / storage scale x 1 / loss scale x clip coefficient); the step is
+skipped if any gradient of either kind is inf or NaN. It then updates each group on one of two
+paths: the default one (``_default_step.py``: float32 gradients in bounded batches, handed to
+the parent's public functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True``
 (torch's fused update for small parameters where the parent has one, else compiled kernels that
 read the 16-bit gradients: ``FusedSteps`` of ``_fused_step.py``, mixed into this class). An
 optimizer file only says how its state is created and which functional and kernel to call.
@@ -19,7 +19,7 @@ The class is cut by stage. This module holds what makes it an optimizer: constru
 checks of parameters and groups, copying and pickling, the public extras
 (``remove_grad_storage``, ``true_grad``, ``step_in_backward``, ``skipped_steps``), ``step()``,
 and the hooks an optimizer file implements (``_state_keys``, ``_init_state``, ``_update``).
-Each stage of the step is a mixin of its own module (``EntrySteps``, ``BucketSteps``,
+Each stage of the step is a mixin of its own module (``ReferenceSteps``, ``BucketSteps``,
 ``FusedSteps``) that declares, as class annotations, what it uses of this class.
 """
 
@@ -38,18 +38,18 @@ from ._bucket_step import BucketSteps
 from ._bucket_store import GroupIndex
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
-from ._entry_step import EntrySteps, user_stacklevel
 from ._fused_step import FusedSteps
 from ._in_backward import InBackwardState, UpdatingBackward, grad_scaler_error
 from ._packing import Workspace
+from ._reference_step import ReferenceSteps, user_stacklevel
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
 
-# EntrySteps after the mixins whose methods it declares: mypy checks a base's declaration of a
+# ReferenceSteps after the mixins whose methods it declares: mypy checks a base's declaration of a
 # name against that of each later base.
-class MixedPrecisionOptimizer(BucketSteps, FusedSteps, EntrySteps, torch.optim.Optimizer):
+class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.optim.Optimizer):
     """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
 
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in

@@ -102,7 +102,7 @@ def _pieces(
     created = {j: local(entry.created[key]) for j, key in enumerate(keys) if key in entry.created}
     step = entry.state.get("step")
     order = dense_order(param) if param.numel() > capacity else None
-    # A state that does not exist yet has its destination in ``created`` (``_entry_step`` makes
+    # A state that does not exist yet has its destination in ``created`` (``_reference_step`` makes
     # one for each): no target is None.
     targets = cast("list[Tensor]", [created.get(j, s) for j, s in enumerate(states)])
     flats = [] if order is None else [flat_view(t, order) for t in (param, *targets, grad)]

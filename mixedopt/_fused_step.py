@@ -2,15 +2,15 @@
 
 ``FusedSteps`` (mixed into ``MixedPrecisionOptimizer``) steps a ``fused=True`` group: torch's
 own fused update for parameters of up to ``_packing.budget(device).fused_small`` elements where
-the parent has one (Adam, AdamW, SGD), the compiled kernels for the others (``fused_update``),
-and the default path where no compiler is available.
+the parent has one (Adam, AdamW, SGD), the compiled kernels for the others
+(``run_compiled_kernels``), and the default path where no compiler is available.
 
 The compiled kernels run in a bounded number of calls. Parameters of up to ``fused_small``
 elements are packed (``_packing.py``): their weights, gradients and state are copied into
 buffers of rows (one ``_foreach_copy_`` for all), updated by one compiled call per ``capacity``
 elements, with each parameter's factor and step coefficients given per row, and copied back. A
 larger parameter is updated in place, on 1-D aliases of its memory: its bytes outweigh the cost
-of a copy, but not that of a call, so ``_fused.PARAMETERS_PER_CALL`` of them share one compiled
+of a copy, but not that of a call, so ``_compiled.PARAMETERS_PER_CALL`` of them share one compiled
 call. So a group costs one compiled call per ``fused_small`` elements of its parameters at most
 (and two compiled variants of each kernel: packed rows, and a list of large parameters),
 whatever the number of parameters.
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _fused
+from . import _compiled
 from ._default_step import default_update
 from ._distributed import is_dtensor, local
 from ._packing import Entry, Workspace, budget, by_device, dense_order, flat_view, packs
@@ -37,7 +37,7 @@ def _aliases(param: Tensor, tensors: list[Tensor], workspace: Workspace) -> list
     memory = (param.numel(), *(t.data_ptr() for t in tensors))
     cached = workspace.aliases.get(id(param))
     if cached is None or cached[0] != memory:
-        cached = workspace.aliases[id(param)] = (memory, [_fused.flat_alias(t) for t in tensors])
+        cached = workspace.aliases[id(param)] = (memory, [_compiled.flat_alias(t) for t in tensors])
     return cached[1]
 
 
@@ -52,7 +52,7 @@ def _large_tensors(
         and not is_dtensor(entry.param)
     ):
         param, *states = _aliases(entry.param, tensors, workspace)
-        return param, _fused.flat_alias(entry.grad), states
+        return param, _compiled.flat_alias(entry.grad), states
     param, grad = local(entry.param), local(entry.grad)
     states = [local(entry.state[key]) for key in keys]
     order = dense_order(param)
@@ -62,16 +62,16 @@ def _large_tensors(
             flat_param, *flat_states = flats
             grad = grad.permute(order).reshape(-1)
             return (
-                _fused.flat_alias(flat_param),  # type: ignore[arg-type]
-                _fused.flat_alias(grad),
-                [_fused.flat_alias(s) for s in flat_states],  # type: ignore[arg-type]
+                _compiled.flat_alias(flat_param),  # type: ignore[arg-type]
+                _compiled.flat_alias(grad),
+                [_compiled.flat_alias(s) for s in flat_states],  # type: ignore[arg-type]
             )
     # Compiled code must not see the parameter's 16-bit .grad.
     return param.detach(), grad, states
 
 
 @torch.no_grad()
-def fused_update(
+def run_compiled_kernels(
     kernel: Callable[..., None],
     keys: Sequence[str],
     state_order: Sequence[str],
@@ -87,7 +87,7 @@ def fused_update(
     call shares (the skip flag, then the group's hyperparameters). Returns the indices of the
     entries left not updated because no compiler works here (after one warning).
     """
-    with _fused.recompiles_allowed():  # for all calls of this step
+    with _compiled.recompiles_allowed():  # for all calls of this step
         device = factors.device
         limits = budget(device)
         # A pack holds one gradient dtype.
@@ -113,10 +113,10 @@ def fused_update(
                 lists.setdefault(grad.dtype, []).append((i, tensors))
                 continue
             arguments = (*tensors[:2], factors[i], *tensors[2:], *[c[i] for c in coefficients])
-            if not _fused.run(kernel, (*arguments, *shared)):
+            if not _compiled.run(kernel, (*arguments, *shared)):
                 return sorted(set(range(len(entries))) - set(done))
             done.append(i)
-        length = _fused.PARAMETERS_PER_CALL
+        length = _compiled.PARAMETERS_PER_CALL
         for listed in lists.values():
             for start in range(0, len(listed), length):
                 one_call = listed[start : start + length]
@@ -127,7 +127,7 @@ def fused_update(
                 parameters = [tensors for _, tensors in one_call] + padding
                 vectors = [c.index_select(0, index) for c in coefficients]
                 selected = factors.index_select(0, index)
-                if not _fused.run_each(kernel, parameters, selected, vectors, shared):
+                if not _compiled.run_each(kernel, parameters, selected, vectors, shared):
                     return sorted(set(range(len(entries))) - set(done))
                 done += [i for i, _ in one_call]
         return []
@@ -170,7 +170,7 @@ def _run_pack(
         *[per_row(c) for c in coefficients],
         *shared,
     )
-    if not _fused.run(kernel, arguments):
+    if not _compiled.run(kernel, arguments):
         return False
     torch._foreach_copy_([*params, *states], [*param_views, *state_views])
     return True
@@ -180,7 +180,7 @@ class FusedSteps:
     """The ``fused=True`` step of a group, mixed into ``MixedPrecisionOptimizer``.
 
     Torch's own fused update for small parameters where the parent has one, the compiled
-    kernels (``fused_update``) for the others; the default path (``_step_group``) where no
+    kernels (``run_compiled_kernels``) for the others; the default path (``_step_group``) where no
     compiler is available.
     """
 
@@ -192,35 +192,35 @@ class FusedSteps:
     _update: Callable[..., None]
     _step_group: Callable[[dict[str, Any], list[Entry], Tensor], None]
 
-    # Per optimizer: the compiled update of one parameter or one pack (``_fused.py``), its
+    # Per optimizer: the compiled update of one parameter or one pack (``_compiled.py``), its
     # state arguments in order, and the arguments the group shares.
-    _fused_kernel: Callable[..., None]
-    _fused_state_order: tuple[str, ...] = ()
+    _compiled_kernel: Callable[..., None]
+    _compiled_state_order: tuple[str, ...] = ()
     # Whether the parent's functional update has a fused implementation (``fused=True``).
-    _torch_fused = False
+    _parent_has_torch_fused = False
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+    def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         raise NotImplementedError
 
-    def _fused_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
+    def _compiled_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
         """Coefficients per parameter that depend on its step counter (Adam's bias corrections).
 
         Each is a 1-D tensor like ``steps``.
         """
         return []
 
-    def _fused_ready(self, group: dict[str, Any], entries: list[Entry]) -> bool:
+    def _takes_fused_path(self, group: dict[str, Any], entries: list[Entry]) -> bool:
         """Whether this group steps with the compiled kernels now.
 
         Only once every parameter has its state: the first step runs the default path, which
         creates the state exactly as the parent does (and skips without creating any).
         """
-        if not group.get("fused") or not _fused.available():
+        if not group.get("fused") or not _compiled.available():
             return False
         keys = self._state_keys(group)
         return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
 
-    def _fused_step_group(
+    def _step_group_fused_path(
         self, group: dict[str, Any], entries: list[Entry], factors: Tensor, skip: Tensor | None
     ) -> None:
         """Update ``entries`` with fused updates that read no host value.
@@ -228,7 +228,7 @@ class FusedSteps:
         Parameters of up to ``budget(device).fused_small`` elements go to torch's own
         fused update, on float32 gradients upcast in bounded batches as on the default path
         (Adam, AdamW, SGD); without one (RMSprop) they are packed for the compiled kernels. Larger
-        parameters are updated by the compiled kernels (``fused_update``), which read the
+        parameters are updated by the compiled kernels (``run_compiled_kernels``), which read the
         16-bit gradients directly. ``skip`` is None on the CPU (the caller does not step when a
         gradient is inf/NaN); on an accelerator both keep the old values where it is set.
         """
@@ -238,12 +238,12 @@ class FusedSteps:
             if keys:  # like the parent, an optimizer with no state records none
                 for e in device_entries:
                     e.state = self.state[e.param]
-            if self._torch_fused:
+            if self._parent_has_torch_fused:
                 small = budget(device).fused_small
                 taken = [
                     i
                     for i, e in enumerate(device_entries)
-                    # Dense: see _entry_step.EntrySteps._fused.
+                    # Dense: see _reference_step.ReferenceSteps._takes_torch_fused.
                     if e.param.numel() <= small and dense_order(e.param) is not None
                 ]
                 if taken:
@@ -294,7 +294,7 @@ class FusedSteps:
         factors: Tensor,
         skip: Tensor | None,
     ) -> None:
-        """Update ``entries`` (on one device) with the compiled kernels (``fused_update``)."""
+        """Update ``entries`` (on one device) with the compiled kernels."""
         device = factors.device
         # maximize: the kernels get the negated gradient, as torch's update negates it.
         signed = -factors if group["maximize"] else factors
@@ -305,15 +305,15 @@ class FusedSteps:
                 if step.device != device:  # from a non-fused checkpoint
                     step = e.state["step"] = step.to(device)
                 steps.append(step)
-        coefficients = self._fused_coefficients(group, torch.stack(steps)) if steps else []
-        left = fused_update(
-            self._fused_kernel,
+        coefficients = self._compiled_coefficients(group, torch.stack(steps)) if steps else []
+        left = run_compiled_kernels(
+            self._compiled_kernel,
             keys,
-            self._fused_state_order,
+            self._compiled_state_order,
             entries,
             signed,
             coefficients,
-            (skip, *self._fused_hyperparameters(group)),
+            (skip, *self._compiled_hyperparameters(group)),
             self._workspace,
         )
         done = set(range(len(entries))) - set(left)

@@ -3,7 +3,7 @@
 The arithmetic, pure functions of tensors: ``power_of_two_scale`` puts a tensor's largest
 magnitude (``abs_max``) in ``[2**7, 2**8)``; powers of two are exact to apply and to undo, so a
 stored gradient's only error is its 16-bit rounding. Each has an ``_on_host`` twin giving the
-same result from a value read on the host. The step's reference path (``_entry_step.py``)
+same result from a value read on the host. The step's reference path (``_reference_step.py``)
 measures gradients with ``abs_max`` too.
 
 ``StorageScales`` (mixed into ``_storage.GradientStorage``) is the storage's stage for one

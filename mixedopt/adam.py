@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
+from ._compiled import adam_kernel, adam_step_coefficients, optional, scalars
 from ._core import MixedPrecisionOptimizer
-from ._fused import adam_kernel, adam_step_coefficients, optional, scalars
 
 __all__ = ["Adam"]
 
@@ -21,9 +21,9 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_kernel = staticmethod(adam_kernel)
-    _torch_fused = True
-    _fused_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+    _compiled_kernel = staticmethod(adam_kernel)
+    _parent_has_torch_fused = True
+    _compiled_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         keys = ["exp_avg", "exp_avg_sq"]
@@ -41,7 +41,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
         found_inf: Tensor | None = None,
     ) -> None:
         beta1, beta2 = group["betas"]
-        fused = self._fused(group, params)
+        fused = self._takes_torch_fused(group, params)
         adam(
             params,
             grads,
@@ -62,7 +62,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+    def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         beta1, beta2 = group["betas"]
         weight_decay = group["weight_decay"]
         decoupled = group["decoupled_weight_decay"]
@@ -73,6 +73,6 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             abs(1 - beta1) < 0.5,
         ]
 
-    def _fused_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
+    def _compiled_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
         beta1, beta2 = group["betas"]
         return list(adam_step_coefficients(group["lr"], beta1, beta2, steps))

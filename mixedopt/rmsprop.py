@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from torch.optim.rmsprop import rmsprop
 
+from ._compiled import optional, rmsprop_kernel, scalars
 from ._core import MixedPrecisionOptimizer
-from ._fused import optional, rmsprop_kernel, scalars
 
 __all__ = ["RMSprop"]
 
@@ -22,8 +22,8 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_kernel = staticmethod(rmsprop_kernel)
-    _fused_state_order = ("square_avg", "momentum_buffer", "grad_avg")
+    _compiled_kernel = staticmethod(rmsprop_kernel)
+    _compiled_state_order = ("square_avg", "momentum_buffer", "grad_avg")
 
     def __init__(self, params: Any, *args: Any, fused: bool | None = None, **kwargs: Any) -> None:
         if fused and kwargs.get("foreach"):  # as torch.optim.Adam and SGD say
@@ -68,7 +68,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             maximize=group["maximize"],
         )
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+    def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         alpha = group["alpha"]
         lr, alpha, one_minus_alpha, eps, momentum = scalars(
             group["lr"], alpha, 1 - alpha, group["eps"], group["momentum"]

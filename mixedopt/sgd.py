@@ -8,8 +8,8 @@ import torch
 from torch import Tensor
 from torch.optim.sgd import sgd
 
+from ._compiled import optional, scalars, sgd_kernel
 from ._core import MixedPrecisionOptimizer
-from ._fused import optional, scalars, sgd_kernel
 
 __all__ = ["SGD"]
 
@@ -21,9 +21,9 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
     ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
     """
 
-    _fused_kernel = staticmethod(sgd_kernel)
-    _torch_fused = True
-    _fused_state_order = ("momentum_buffer",)
+    _compiled_kernel = staticmethod(sgd_kernel)
+    _parent_has_torch_fused = True
+    _compiled_state_order = ("momentum_buffer",)
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         return ["momentum_buffer"] if group["momentum"] != 0 else []
@@ -40,7 +40,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
         steps: list[Tensor],
         found_inf: Tensor | None = None,
     ) -> None:
-        fused = self._fused(group, params)
+        fused = self._takes_torch_fused(group, params)
         sgd(
             params,
             grads,
@@ -56,7 +56,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             found_inf=found_inf,
         )
 
-    def _fused_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+    def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         lr, momentum, one_minus_dampening = scalars(
             group["lr"], group["momentum"], 1 - group["dampening"]
         )

@@ -1,6 +1,6 @@
 """Does the compiled Adam kernel read 16-bit gradients as fast as 32-bit ones?
 
-Runs mixedopt's compiled Adam update (``mixedopt._fused.adam_kernel``) on the same weights and
+Runs mixedopt's compiled Adam update (``mixedopt._compiled.adam_kernel``) on the same weights and
 state, once with float16 gradients and once with float32 gradients, the two taking turns, and
 prints the median time of each. A step with float16 gradients moves 26 bytes per element, with
 float32 gradients 28: if memory traffic were all that counted, float16 would be 7% faster.
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from mixedopt import _fused
+from mixedopt import _compiled
 
 
 def main() -> None:
@@ -35,14 +35,14 @@ def main() -> None:
     exp_avgs = [torch.zeros(n) for _ in params]
     exp_avg_sqs = [torch.zeros(n) for _ in params]
     factor = torch.ones(())
-    step_size, inverse = _fused.adam_step_coefficients(1e-3, 0.9, 0.999, torch.zeros(1))
+    step_size, inverse = _compiled.adam_step_coefficients(1e-3, 0.9, 0.999, torch.zeros(1))
     coefficients = (step_size[0], inverse[0])
-    shared = (None, *_fused.scalars(0.1, 0.999, 0.001, 1e-8), None, None, True)
+    shared = (None, *_compiled.scalars(0.1, 0.999, 0.001, 1e-8), None, None, True)
 
     def step(dtype: str) -> None:
         # One compiled call per parameter, as fused=True updates a large parameter.
         for p, g, m, v in zip(params, grads[dtype], exp_avgs, exp_avg_sqs, strict=True):
-            _fused.run(_fused.adam_kernel, (p, g, factor, m, v, None, *coefficients, *shared))
+            _compiled.run(_compiled.adam_kernel, (p, g, factor, m, v, None, *coefficients, *shared))
 
     times: dict[str, list[float]] = {dtype: [] for dtype in grads}
     for dtype in grads:  # compile, then warm up

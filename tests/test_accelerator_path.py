@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
-import mixedopt._fused
+import mixedopt._compiled
 import mixedopt._packing
 from mixedopt._packing import accelerator_budget
 
@@ -162,14 +162,14 @@ def eager_kernels(monkeypatch):
     """The fused kernels run uncompiled (the same arithmetic; a dispatch mode can see inside),
     and each compiled call is recorded."""
     calls = []
-    run = mixedopt._fused._run
+    run = mixedopt._compiled._run
 
     def recording(kernel, arguments):
         calls.append(kernel.__name__)
         return run(kernel, arguments)
 
-    monkeypatch.setattr(mixedopt._fused, "compiled", lambda kernel: kernel)
-    monkeypatch.setattr(mixedopt._fused, "_run", recording)
+    monkeypatch.setattr(mixedopt._compiled, "compiled", lambda kernel: kernel)
+    monkeypatch.setattr(mixedopt._compiled, "_run", recording)
     return calls
 
 

@@ -44,7 +44,7 @@ def counted_whole_buckets(enabled):
     taken = []
 
     def counting(self, params=None):
-        found, left = TAKE(self, params) if enabled else ([], -1)
+        found, left = TAKE(self, params) if enabled else ([], None)
         taken.append(len(found))
         return found, left
 

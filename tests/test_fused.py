@@ -157,7 +157,7 @@ def compiled_calls(opt, monkeypatch):
     records their sizes.
     """
     calls = []
-    run, run_each = mixedopt._fused.run, mixedopt._fused.run_each
+    run, run_each = mixedopt._compiled.run, mixedopt._compiled.run_each
 
     def counting(kernel, arguments):
         calls.append(arguments[0].shape)
@@ -167,8 +167,8 @@ def compiled_calls(opt, monkeypatch):
         calls.append([tensors[0].numel() for tensors in parameters])
         return run_each(kernel, parameters, *rest)
 
-    monkeypatch.setattr(mixedopt._fused_step._fused, "run", counting)
-    monkeypatch.setattr(mixedopt._fused_step._fused, "run_each", counting_each)
+    monkeypatch.setattr(mixedopt._fused_step._compiled, "run", counting)
+    monkeypatch.setattr(mixedopt._fused_step._compiled, "run_each", counting_each)
     return calls
 
 
@@ -246,7 +246,7 @@ def test_compiled_calls_of_a_group_are_bounded_by_its_bytes(monkeypatch, small_p
         step_on_random_gradients(opt, params)
     # 40 parameters of one row each in packs of 256 // 64 = 4 rows, and the 2 large parameters
     # in one call, padded to PARAMETERS_PER_CALL with scratch ones of 2 elements.
-    padding = [2] * (mixedopt._fused.PARAMETERS_PER_CALL - 2)
+    padding = [2] * (mixedopt._compiled.PARAMETERS_PER_CALL - 2)
     assert calls == [torch.Size([4, 64])] * 10 + [[100, 300, *padding]]
 
 
@@ -256,7 +256,7 @@ def test_large_parameters_share_compiled_calls_and_match_the_default_path(
 ):
     """Dense ones by PARAMETERS_PER_CALL (the last call padded); one not dense on its own."""
     kwargs = dict(lr=0.01, **OPTIONS[name])
-    per_call = mixedopt._fused.PARAMETERS_PER_CALL
+    per_call = mixedopt._compiled.PARAMETERS_PER_CALL
     # One call's worth of dense parameters and one more (sizes 30, 31, ...), one of them
     # column-major, then one that is not dense.
     dense = [(30 + i,) for i in range(per_call + 1)]
@@ -326,17 +326,17 @@ def test_flat_alias_starts_at_offset_0_and_falls_back_to_the_offset_where_dlpack
 ):
     backing = torch.zeros(100)
     view = backing[10:40]
-    alias = mixedopt._fused.flat_alias(view)
+    alias = mixedopt._compiled.flat_alias(view)
     assert (alias.storage_offset(), alias.data_ptr()) == (0, view.data_ptr())
-    assert mixedopt._fused.flat_alias(backing) is backing  # such a tensor already
+    assert mixedopt._compiled.flat_alias(backing) is backing  # such a tensor already
     param = nn.Parameter(torch.zeros(10))
-    assert mixedopt._fused.flat_alias(param) is not param  # compiled code sees no parameter
+    assert mixedopt._compiled.flat_alias(param) is not param  # compiled code sees no parameter
 
     def refused(tensor):
         raise BufferError("no DLPack here")
 
     monkeypatch.setattr(torch, "from_dlpack", refused)
-    alias = mixedopt._fused.flat_alias(view)
+    alias = mixedopt._compiled.flat_alias(view)
     assert (alias.storage_offset(), alias.data_ptr()) == (10, view.data_ptr())
     alias.fill_(1)  # either way, the alias is the tensor's memory
     assert backing[10:40].eq(1).all() and backing[:10].eq(0).all() and backing[40:].eq(0).all()
@@ -439,7 +439,7 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
         group = twins.opt.param_groups[0]
         entries = twins.opt._entries(group["params"])
         factors, _ = twins.opt._factors_and_skip(entries, None, None)
-        twins.opt._fused_step_group(group, entries, factors, torch.tensor(skip))
+        twins.opt._step_group_fused_path(group, entries, factors, torch.tensor(skip))
         if skip:
             for p, before in zip(twins.params, weights, strict=True):
                 assert torch.equal(p.detach(), before)
@@ -453,8 +453,8 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
 
 
 def test_past_the_recompile_limit_new_layouts_run_uncompiled_with_one_warning(monkeypatch):
-    monkeypatch.setattr(mixedopt._fused, "RECOMPILE_LIMIT", 1)
-    monkeypatch.setattr(mixedopt._fused, "_over_limit", set())
+    monkeypatch.setattr(mixedopt._compiled, "RECOMPILE_LIMIT", 1)
+    monkeypatch.setattr(mixedopt._compiled, "_over_limit", set())
     torch.manual_seed(0)
     data = [torch.randn(n) for n in range(3, 11)]
     params, reference, opt, ref = fused_and_default("RMSprop", data, lr=0.1, momentum=0.9)
@@ -485,8 +485,8 @@ def test_adam_step_coefficients_read_on_the_host_equal_those_kept_on_the_device(
     """A tensor learning rate takes the path of step counters on an accelerator."""
     counts = [0.0, 1.0, 9.0, 9999.0, 1.0]
     steps = torch.tensor(counts)
-    host = mixedopt._fused.adam_step_coefficients(0.001, 0.9, 0.999, steps)
-    device = mixedopt._fused.adam_step_coefficients(torch.tensor(0.001), 0.9, 0.999, steps)
+    host = mixedopt._compiled.adam_step_coefficients(0.001, 0.9, 0.999, steps)
+    device = mixedopt._compiled.adam_step_coefficients(torch.tensor(0.001), 0.9, 0.999, steps)
     assert all(t.dtype == torch.float32 and t.shape == (5,) for t in (*host, *device))
     step_size = [0.001 / (1 - 0.9 ** (n + 1)) for n in counts]
     inverse = [(1 - 0.999 ** (n + 1)) ** -0.5 for n in counts]

@@ -1,6 +1,6 @@
 """The reference path of a step: each gradient taken on its own, as an entry.
 
-``EntrySteps`` (mixed into ``MixedPrecisionOptimizer``) is what ``step()`` does with the
+``ReferenceSteps`` (mixed into ``MixedPrecisionOptimizer``) is what ``step()`` does with the
 gradients it finds, and what ``step_in_backward()`` does with each bucket backward stores.
 ``_collect`` takes what a step updates: the whole buckets first (``BucketSteps`` of
 ``_bucket_step.py``, the fast path beside this one), then each other gradient as an ``Entry``
@@ -21,8 +21,8 @@ Then the whole buckets are updated by ``BucketSteps``, and the entries of each g
 state (and compiling has not failed), else by ``_step_group``, which creates the state as the
 parent does and hands the entries to the functional update in batches (``default_update`` of
 ``_default_step.py``: gradients upcast and unscaled into bounded float32 buffers). ``_foreach``
-and ``_fused`` choose, for one such batch, the implementation of torch's functional update that
-an optimizer file's ``_update`` calls.
+and ``_takes_torch_fused`` choose, for one such batch, the implementation of torch's
+functional update that an optimizer file's ``_update`` calls.
 
 It is the reference because it takes every gradient, however it is stored (alone, in a bucket
 shared with another optimizer, assigned, changed in place, of a parameter without state yet):
@@ -83,7 +83,7 @@ def _l2_norm(grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
-class EntrySteps:
+class ReferenceSteps:
     """The reference path of ``step()``; see the module's docstring."""
 
     # What the optimizer it is mixed into provides (``_core.MixedPrecisionOptimizer``, torch.optim's
@@ -97,13 +97,13 @@ class EntrySteps:
     _workspace: Workspace
     _warned_changed_in_place: bool
     _skipped_on_device: Tensor | None
-    _take_whole_buckets: Callable[[list[list[Tensor]] | None], tuple[list[WholeBucket], int]]
+    _take_whole_buckets: Callable[[list[list[Tensor]] | None], tuple[list[WholeBucket], int | None]]
     _bucket_factors_and_skip: Callable[
         [list[WholeBucket], Tensor | None, Tensor | None], tuple[Tensor | None, Tensor]
     ]
     _update_buckets: Callable[[list[WholeBucket], Tensor | None, Tensor | None], None]
-    _fused_ready: Callable[[dict[str, Any], list[Entry]], bool]
-    _fused_step_group: Callable[[dict[str, Any], list[Entry], Tensor, Tensor | None], None]
+    _takes_fused_path: Callable[[dict[str, Any], list[Entry]], bool]
+    _step_group_fused_path: Callable[[dict[str, Any], list[Entry], Tensor, Tensor | None], None]
     _state_keys: Callable[[dict[str, Any]], list[str]]
     _init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
     _update: Callable[..., None]
@@ -135,8 +135,8 @@ class EntrySteps:
             skips.append(skip)
         skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
         bucket_groups = set().union(*(bucket.groups for bucket in buckets or ()))
-        fused = all(self._fused_ready(group, entries) for group, entries in steps) and all(
-            self._fused_ready(self.param_groups[index], []) for index in bucket_groups
+        fused = all(self._takes_fused_path(group, entries) for group, entries in steps) and all(
+            self._takes_fused_path(self.param_groups[index], []) for index in bucket_groups
         )
         on_device = fused and not on_host and not _packing.budget(skip.device).on_host
         # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
@@ -153,7 +153,7 @@ class EntrySteps:
             start += len(group_entries)
             if fused:
                 device_skip = skip if on_device else None
-                self._fused_step_group(group, group_entries, group_factors, device_skip)
+                self._step_group_fused_path(group, group_entries, group_factors, device_skip)
             else:
                 self._step_group(group, group_entries, group_factors)
         if on_device:
@@ -208,7 +208,7 @@ class EntrySteps:
         Among ``params`` (a list per parameter group; default: all of them).
         """
         buckets, left = self._take_whole_buckets(params)
-        if not left:  # every gradient is in a whole bucket (-1: not looked for)
+        if left == 0:  # every gradient is in a whole bucket
             return buckets, []
         taken = {id(param) for bucket in buckets for param in bucket.params}
         if params is None:
@@ -332,7 +332,7 @@ class EntrySteps:
         return foreach
 
     @staticmethod
-    def _fused(group: dict[str, Any], params: list[Tensor]) -> bool:
+    def _takes_torch_fused(group: dict[str, Any], params: list[Tensor]) -> bool:
         """Whether a batch of ``params`` takes the parent's fused implementation.
 
         A ``fused=True`` group's batch, unless a parameter is not dense: torch's fused kernels
