@@ -1,23 +1,8 @@
 """The step of whole buckets: a training loop's small gradients taken as backward stored them.
 
-After a plain ``backward()`` the gradients of small parameters are views of the 16-bit buckets
-the storage wrote (``_bucket_store.py``), each bucket with its stats table (a storage scale and a
-bound on the true gradient per row). When every gradient of a bucket belongs to this
-optimizer, is still that view, unchanged, and its parameter has its state, ``step()`` needs
-nothing per parameter but its state: the bucket's factors are a column of its stats table,
-its inf/NaN check another. Buckets are joined into batches of up to ``budget(device).piece``
-elements (``_default_step.stored_batches``): a batch's rows are upcast with one copy into a
-float32 buffer of the same layouts and unscaled with one multiplication (bfloat16 rows without
-a loss scale are only copied: they hold true values), and its views go to the parent's
-functional update, per parameter group. That is ``BucketSteps`` (mixed into
-``MixedPrecisionOptimizer``).
-
-Everything else takes the reference path (``ReferenceSteps`` of ``_reference_step.py``: ``_entries``
-and ``_step_entries``): the first step (it creates the state), ``max_grad_norm`` (it needs every
-gradient's norm), gradients stored alone, assigned or changed in place, a bucket shared with
-another optimizer, and parameters a ``fused=True`` group updates with compiled kernels. Both
-paths give the same weights and state (``tests/test_bucket_step.py``), and one step may take
-both: the inf/NaN check covers all of its gradients before anything is updated.
+``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``) updates the buckets whose gradients all
+belong to the optimizer, untouched, with nothing per parameter but its state; everything else
+takes the reference path (``_reference_step.py``), which it is tested against bit for bit.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
-"""Bucketing: the small gradients of a backward stored together, in a few operations.
+"""Bucketing: the small gradients of a backward stored together, in a fixed number of operations.
 
-``BucketStores`` (mixed into ``_storage.GradientStorage``) is the storage's bucket stage. The
-storage's hook (``_storage.py``) has a gradient of up to ``_packing.budget(device).bucket_small``
-elements wait in its device's bucket (``_slots.Bucket``), as DistributedDataParallel's reducer does,
-and has the bucket stored when the next gradient would not fit (``capacity`` elements) and at
-the end of ``backward()``.
-
-Storing a bucket is a fixed number of operations, whatever the number of its gradients
-(``_store_bucket``): copy them into a float32 staging buffer of rows, take the largest magnitude
-of each, compute the scales, and write all of them in one multiplication into one 16-bit buffer,
-of which each ``p.grad`` is a view with the parameter's layout (on an accelerator eight
-launches in all; on a CPU a few more, each faster there). Where each gradient goes (its rows and
-views, ``BucketPlan``) is kept, as a training loop fills the same buckets again.
-
-A stored bucket is remembered while its gradients live (``StoredBucket``), for ``step()``: it
-updates the buckets whose gradients it takes whole (``whole_buckets``, ``_bucket_step.py``) and
-upcasts a bucket's rows at once (``stored_bucket``, ``_default_step.py``).
-
-Transient memory: a bucket's gradients (at most ``capacity`` float32 elements, which autograd
-would have kept as ``.grad`` anyway), the staging buffer (``capacity`` float32 elements, kept
-between backwards, zero outside what a bucket writes; a large gradient stored alone on a CPU
-uses it as scratch space, ``_scratch``). Storing a bucket makes no float32 temporary of its
-size: the scaling is done in place in the staging rows (on an accelerator, by the
-multiplication that writes the 16-bit buffer), and the one new buffer is the 16-bit one the
-gradients then are.
-
-Storage work (storing a bucket or a gradient alone, ``flush``) is marked with
-``_storage_work.deferring_releases``: an optimizer's release that comes in its middle waits
-until it ends.
+``BucketStores`` (mixed into ``_storage.GradientStorage``) stores a bucket into one 16-bit buffer
+of which each ``p.grad`` is a view, keeps each bucket's plan of rows and views, and finds the
+stored buckets again for ``step()`` (``whole_buckets``, ``stored_bucket``). See docs/design.md,
+"Buckets".
 """
 
 from __future__ import annotations

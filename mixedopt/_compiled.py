@@ -1,26 +1,9 @@
-"""``fused=True``: the update kernels, compiled with ``torch.compile``.
+"""mixedopt's update kernels, compiled with ``torch.compile`` (``fused=True``).
 
 Each kernel reads the 16-bit gradient, upcasts and unscales it, computes the parent's update in
-float32, and writes weights and state. The kernels are compiled with ``torch.compile`` (Inductor
-emits C++ on CPU and Triton on CUDA) with dynamic shapes, and every number that may change
-between steps (learning rate, betas, momentum, scales) is a tensor: one compilation serves every
-size and every step. ``None`` in place of a tensor (no weight decay, no skip flag), the presence
-of optional state and the Python booleans (``nesterov``, which of torch.lerp's formulas applies)
-are part of the compiled layout, so that a kernel does no per-element work for an option that is
-off.
-
-A kernel is called on a pack of small parameters (``_fused_step.py``: ``rows x ROW`` tensors, a
-factor and coefficients per row, shaped ``(rows, 1)``), or, through ``run_each``, on
-``PARAMETERS_PER_CALL`` large ones at once (1-D tensors, factors and coefficients as vectors of
-that length): two compiled variants per layout. A large parameter whose memory is not dense in
-one layout is updated by a call of its own (a third variant, for such layouts only).
-
-On an accelerator the kernels get ``skip`` (an inf/NaN gradient) as a 0-dim tensor and write
-back what was there when it is set, so that no host synchronisation is needed to decide. On the
-CPU reading the flag is free: the step is not run at all, and the kernels get ``skip=None``.
-
-The default path (torch's own functional ``rmsprop()``/``adam()``/``sgd()``) is the reference
-these kernels are tested against.
+float32, and writes weights and state. Dynamic shapes and tensors for every number that may
+change between steps: one compilation serves every size and step. The default path (torch's
+functional update) is the reference these kernels are tested against.
 """
 
 from __future__ import annotations
@@ -240,12 +223,10 @@ def compiled(kernel: Callable[..., None]) -> Callable[..., None]:
         # the sizes it compiles for: a small first call would leave every later one
         # single-threaded. With dynamic_threads every loop is parallel and OpenMP decides.
         # The last elements of a loop (fewer than a vector) run as scalar code instead of a
-        # second, masked vector copy of the loop: a shorter compile (Adam over four large
-        # parameters, first step 17.0 -> 14.8 s on a 2-core CPU) for at most 7 elements each.
+        # second, masked vector copy of the loop: a shorter compile for at most 7 elements.
         # A graph here builds at most one C++ kernel: built on the calling thread it takes as
-        # long as on Inductor's thread pool (measured: 12-13 s cold either way for Adam and
-        # RMSprop over four large parameters), and a compile inside backward
-        # (step_in_backward) hands no work to other threads while autograd waits on it.
+        # long as on Inductor's thread pool, and a compile inside backward (step_in_backward)
+        # hands no work to other threads while autograd waits on it. (docs/performance.md)
         options: dict[str, str | int | bool | Callable[..., Any]] = {
             "cpp.dynamic_threads": True,
             "cpp.enable_loop_tail_vec": False,
@@ -275,8 +256,7 @@ def recompiles_allowed() -> Iterator[None]:
     kernel compiles are not taken to be equal for good (no "duck" shapes): ``run_each``'s
     parameters have unrelated sizes, which would otherwise compile again the first time they
     differ. The two settings are set and restored as ``config.patch()`` does (the values are
-    context-local), without its machinery: ``patch()`` cost about 36 us here warm, and several
-    times that in a step, after the kernels' passes have emptied the caches.
+    context-local), without its machinery, which costs more than the step's other Python here.
     """
     dynamo = torch._dynamo.config
     fx = torch.fx.experimental._config  # type: ignore[attr-defined]
@@ -291,14 +271,9 @@ def recompiles_allowed() -> Iterator[None]:
 # Large parameters updated by one compiled call of ``run_each``. Fewer are padded with scratch
 # ones, so that one compiled variant serves any number. A call costs far more than its Python
 # suggests: each comes after a pass over megabytes that has emptied the caches, and its guards,
-# wrappers and the step's bookkeeping run cold (about 0.2 ms a call on a 2-core AMD EPYC with
-# AVX-512). Each parameter more per call lengthens the first compile (one more loop in the C++
-# kernel), which must stay under 15 s. Measured there on 16 x 2M elements, interleaved, with two,
-# eight and sixteen per call, ratios to torch's fused step (RMSprop: foreach): Adam 1.10x, 1.02x,
-# 1.00x; AdamW 1.12x, 1.05x, 1.00x; SGD 1.18x, 1.08x, 1.08x; RMSprop 0.34x, 0.33x, 0.32x. The
-# first fused step, with an empty compile cache: AdamW with amsgrad (the largest kernel) 11.0 s
-# with two and 13.4 s with eight; Adam 10.7-11.3 s with two, 12.2-13.3 s with eight, 16.1 s
-# with sixteen.
+# wrappers and the step's bookkeeping run cold. Each parameter more per call lengthens the first
+# compile (one more loop in the C++ kernel), which must stay under 15 s. Eight is where the
+# step time levels off (docs/performance.md).
 PARAMETERS_PER_CALL = 8
 
 _each: dict[Callable[..., None], Callable[..., None]] = {}

@@ -1,26 +1,9 @@
-"""The mixed-precision machinery shared by every mixedopt optimizer.
+"""``MixedPrecisionOptimizer``: the mixin placed before a ``torch.optim`` class.
 
-``MixedPrecisionOptimizer`` is a mixin placed before a ``torch.optim`` class. It installs the
-gradient storage (``_storage.py``) at construction. Its ``step()`` first takes the buckets
-backward stored whose gradients are all its own and untouched (``BucketSteps`` of
-``_bucket_step.py``: nothing per parameter but its state). For the other gradients (the
-reference path, ``ReferenceSteps`` of ``_reference_step.py``) it finds, for all of them at once,
-each gradient's factor (1 / storage scale x 1 / loss scale x clip coefficient); the step is
-skipped if any gradient of either kind is inf or NaN. It then updates each group on one of two
-paths: the default one (``_default_step.py``: float32 gradients in bounded batches, handed to
-the parent's public functional update ``rmsprop()``, ``adam()`` or ``sgd()``), or ``fused=True``
-(torch's fused update for small parameters where the parent has one, else compiled kernels that
-read the 16-bit gradients: ``FusedSteps`` of ``_fused_step.py``, mixed into this class). An
-optimizer file only says how its state is created and which functional and kernel to call.
-``step_in_backward()`` (``_in_backward.py``) runs the same update inside backward, on batches of
-the gradients backward stores.
-
-The class is cut by stage. This module holds what makes it an optimizer: construction and the
-checks of parameters and groups, copying and pickling, the public extras
-(``remove_grad_storage``, ``true_grad``, ``step_in_backward``, ``skipped_steps``), ``step()``,
-and the hooks an optimizer file implements (``_state_keys``, ``_init_state``, ``_update``).
-Each stage of the step is a mixin of its own module (``ReferenceSteps``, ``BucketSteps``,
-``FusedSteps``) that declares, as class annotations, what it uses of this class.
+Construction and the checks of parameters and groups, copying and pickling, the public extras
+(``remove_grad_storage``, ``true_grad``, ``step_in_backward``, ``skipped_steps``), ``step()``, and
+the hooks an optimizer file implements (``_state_keys``, ``_init_state``, ``_update``). The stages
+of the step are mixins of their own modules; see docs/design.md, "The step".
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
-"""The default update path: torch's functional update on float32 gradients, in bounded batches.
+"""The default update: torch's functional update on float32 gradients, in bounded batches.
 
-``step()`` never makes a float32 copy of all gradients, and a group costs a fixed number of
-operations beyond torch's own update, whatever the number of its parameters. Parameters are
-taken whole in batches of at most ``piece`` elements (``_packing.budget``), and a parameter
-larger than that is cut into 1-D pieces (weights, gradient and state alike) when all of them are
-dense in one layout. A batch's gradients are upcast into a float32 buffer with one
-``_foreach_copy_`` and unscaled with one multiplication (each gradient's factor, per row of the
-buffer), and the batch goes to torch's ``rmsprop()``, ``adam()`` or ``sgd()`` as lists, whole
-parameters as they are.
-
-The buckets that backward stored (``_bucket_store.py``), whose gradients all belong to this
-step's entries untouched, are taken faster: joined into batches of up to ``piece`` elements
-(``stored_batches``), a batch's 16-bit rows are upcast with one copy and unscaled with one
-multiplication into a float32 buffer of the same layouts, without finding each gradient;
-``batches`` is the reference it is tested against.
-
-On an accelerator a batch holds 64 Mi elements, and its float32 buffer (256 MiB) comes from the
-allocator for the batch and goes back after it (``Workspace.buffer``): the step's extra memory is
-one batch of float32 gradients and the temporaries of torch's update of one batch, and nothing
-stays between steps.
+Parameters are taken whole in batches of at most ``budget(device).piece`` elements (a larger one
+cut into 1-D pieces); a batch's gradients are upcast and unscaled into a float32 buffer and go to
+``rmsprop()``, ``adam()`` or ``sgd()`` as lists. Whole buckets are upcast by their rows
+(``upcast_stored``, ``stored_batches``); ``batches`` is the reference they are tested against.
 """
 
 from __future__ import annotations
@@ -306,7 +291,7 @@ def default_update(
             factors = factors[workspace.index(rest, device)]
     # All batches are made before the first update: Python run between the update's large
     # memory passes finds its data evicted from the caches and runs several times slower
-    # (measured on 16 x 2M elements: 6 ms against 2 ms). A batch holds views, and nothing else
+    # (docs/performance.md). A batch holds views, and nothing else
     # of a tensor's size (``_pieces``).
     for batch in list(batches(entries, keys, piece)):
         grads = _upcast(workspace, batch, factors)

@@ -1,18 +1,7 @@
-"""Parameters whose gradients a distributed engine owns.
+"""Parameters whose gradients a distributed engine owns: FSDP2's DTensors and DDP's parameters.
 
-mixedopt stores a parameter's gradient in 16 bits only where autograd hands the gradient to the
-parameter and nothing else reads it afterwards. Two engines own the gradients of the parameters
-they manage, and for those mixedopt leaves the gradient as the engine makes it (float32) and only
-steps on it:
-
-* FSDP2 (``torch.distributed.fsdp.fully_shard``): its sharded parameters are DTensors; it
-  reduce-scatters the gradients itself and assigns (or adds into) float32 sharded gradients.
-  Such parameters get no gradient storage; ``step()`` works on their local shards and takes the
-  norm of the sharded gradients over all ranks.
-* DDP (``torch.nn.parallel.DistributedDataParallel``): its reducer copies each gradient into a
-  float32 bucket as soon as autograd has written it, and refuses any other dtype. DDP does not
-  mark its parameters, so the storage looks for live DDP modules once, at the first backward
-  after a process group exists, and leaves the gradients of their parameters float32.
+mixedopt leaves their gradients float32, as the engine makes them, and only steps on them.
+See docs/design.md, "Distributed engines".
 """
 
 from __future__ import annotations

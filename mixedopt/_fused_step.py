@@ -1,21 +1,9 @@
-"""fused=True: a group's update by fused kernels that read the 16-bit gradients.
+"""``fused=True``: a group's update by kernels that read the 16-bit gradients.
 
-``FusedSteps`` (mixed into ``MixedPrecisionOptimizer``) steps a ``fused=True`` group: torch's
-own fused update for parameters of up to ``_packing.budget(device).fused_small`` elements where
-the parent has one (Adam, AdamW, SGD), the compiled kernels for the others
-(``run_compiled_kernels``), and the default path where no compiler is available.
-
-The compiled kernels run in a bounded number of calls. Parameters of up to ``fused_small``
-elements are packed (``_packing.py``): their weights, gradients and state are copied into
-buffers of rows (one ``_foreach_copy_`` for all), updated by one compiled call per ``capacity``
-elements, with each parameter's factor and step coefficients given per row, and copied back. A
-larger parameter is updated in place, on 1-D aliases of its memory: its bytes outweigh the cost
-of a copy, but not that of a call, so ``_compiled.PARAMETERS_PER_CALL`` of them share one compiled
-call. So a group costs one compiled call per ``fused_small`` elements of its parameters at most
-(and two compiled variants of each kernel: packed rows, and a list of large parameters),
-whatever the number of parameters.
-
-The step counters advance outside the kernels, with one ``_foreach_add_``.
+``FusedSteps`` (mixed into ``MixedPrecisionOptimizer``): torch's fused update for parameters of
+up to ``budget(device).fused_small`` elements where the parent has one, mixedopt's compiled
+kernels (``_compiled.py``) for the others, packed or a few large ones per call; the default path
+where no compiler is available.
 """
 
 from __future__ import annotations

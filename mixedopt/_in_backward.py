@@ -1,22 +1,9 @@
-"""Stepping in backward: the stored gradients update their parameters batch by batch, in backward.
+"""Stepping in backward: stored gradients update their parameters batch by batch, in backward.
 
-``with optimizer.step_in_backward(): loss.backward()`` does what ``loss.backward();
-optimizer.step(); optimizer.zero_grad()`` does, without ever holding the gradients of the whole
-model. The gradient storage (``_storage.py``) stores the gradients of a backward bucket by bucket
-(and a large gradient on its own); while the mode is on, it hands each stored bucket to
-``UpdatingBackward.consume``. The stored gradients wait there until the next would take them
-past ``UPDATE_BATCH`` elements, or until backward ends; then their parameters are updated
-together by the optimizer's ``update_in_backward``, ``step()``'s own machinery (a bucket taken
-whole as ``step()`` takes it, the same factors, the same functional update, so the same
-weights), and their gradients are freed. At its end the mode runs
-``optimizer.step()`` once, for the parameters that got no gradient in this backward but hold one
-from earlier micro-batches, for the step hooks, and for the LR schedulers that count steps.
-
-What needs every gradient before the first update is refused, not approximated: clipping by the
-global norm (``max_grad_norm``) and GradScaler, whose skip-on-inf decides the whole step. A
-gradient that is inf or NaN stops the updates of this backward: the parameters updated before it
-keep their update, the others keep their weights and state, their gradients are discarded, and a
-warning says how many of each there were (``skipped_steps`` counts it).
+``UpdatingBackward`` is the context ``optimizer.step_in_backward()`` returns. It gathers the
+buckets the storage hands it and calls the optimizer's ``update_in_backward`` on each batch (the
+same weights as ``step()``); at its end it calls ``step()`` once. What needs every gradient first
+(``max_grad_norm``, GradScaler) is refused. See docs/design.md, "Stepping in backward".
 """
 
 from __future__ import annotations
@@ -35,9 +22,8 @@ from ._eager import run_eagerly
 # Elements of 16-bit gradients that wait to be updated together (8 MiB): the bound on the
 # gradients an updating backward holds, beyond one bucket or one larger gradient. Updating
 # parameters one by one between backward's matrix products costs more than the update itself on
-# a CPU (each update evicts from the caches what backward works on next; measured 1.41x of
-# backward(); step() on a 4-layer 1024-wide MLP with a bfloat16 forward) and a launch per
-# update on an accelerator; updated together they cost what step() costs.
+# a CPU (each update evicts from the caches what backward works on next: docs/performance.md)
+# and a launch per update on an accelerator; updated together they cost what step() costs.
 UPDATE_BATCH = 1 << 22
 
 if TYPE_CHECKING:

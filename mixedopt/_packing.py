@@ -1,26 +1,9 @@
 """Many small tensors worked on as one: a flat buffer of rows, each tensor starting on a row.
 
-On a GPU every operation costs a launch, and on a CPU a few microseconds of dispatch, whatever
-the size of the tensor it works on. mixedopt's work per tensor (find the largest magnitude,
-scale, upcast) is tiny for a small tensor, so small tensors are copied into one flat buffer and
-worked on there with a handful of operations for all of them.
-
-The buffer is viewed as ``rows x ROW`` and every tensor starts on a row of its own (its last row
-padded), so that a value per tensor (a scale) becomes a value per row with one indexing
-operation and applies with one broadcast multiplication, and a maximum per row reduces to a
-maximum per tensor with one ``segment_reduce``.
-
-How much is packed, per device, is set here too (``budget``): a buffer holds at most
-``capacity`` elements (which bounds the memory it costs), and only tensors up to a size are
-packed. On a CPU a tensor of more than 32Ki elements costs less on its own (its bytes outweigh a
-few dispatches); on an accelerator launches dominate up to millions of elements, and the
-default step takes 64 Mi elements at a time. The budget also says whether the device is the
-host (``on_host``): the few places where a CPU and an accelerator take different operations
-ask it, so that tests run the accelerator's on the CPU (``CPU_BUDGET``).
-
-For ``step()``: ``Entry`` is a parameter with a gradient as ``step()`` sees it, ``packs`` groups
-entries (``fused=True``), and ``Workspace`` keeps, between steps, the buffers both update paths
-copy into, with their views.
+Also the per-device ``budget`` (buffer capacity, the largest tensor packed, the step's batch,
+whether the device is the host), ``Entry`` (a parameter with a gradient, as ``step()`` sees it)
+and ``Workspace`` (the buffers the update paths copy into, kept between steps). See
+docs/design.md, "Packing and budgets".
 """
 
 from __future__ import annotations
@@ -48,17 +31,14 @@ ACCELERATOR_CAPACITY = 1 << 22
 CPU_SMALL = 1 << 15
 # Elements of one batch of the default step on a CPU (a larger parameter is cut into pieces of
 # it): the functional update passes over a batch several times and allocates temporaries of its
-# size (Adam: two), which are smaller and come back from the allocator warm. Measured against
-# 1 Mi, interleaved: Adam step 0.74x vs 0.76x of torch's on a 4-layer 1024-wide MLP (and
-# 0.82-0.93x vs 1.30-1.48x in runs where the allocator returned the larger ones to the system),
-# 0.65x vs 0.70x on 16 x 2M; SGD 1.12x vs 1.15x.
+# size (Adam: two), which are smaller and come back from the allocator warm (docs/performance.md).
 CPU_PIECE = 1 << 19
 # On an accelerator: the largest gradient backward stores in a bucket with others (a larger one
 # is stored alone, in four launches), so that every bucket stored during backward holds three
 # gradients at least.
 ACCELERATOR_BUCKET_SMALL = 1 << 20
-# On an accelerator: the largest parameter fused=True packs (a compiled call costs tens of
-# microseconds of Python, a copy of 1 Mi elements a few microseconds).
+# On an accelerator: the largest parameter fused=True packs (a compiled call costs more than a
+# copy of that size).
 ACCELERATOR_FUSED_SMALL = 1 << 20
 # On an accelerator: elements of one batch of the default step (256 MiB of float32). A batch
 # costs a few launches beyond torch's own update whatever its size; at 64 Mi elements they are

@@ -1,36 +1,9 @@
-"""The reference path of a step: each gradient taken on its own, as an entry.
+"""The reference path of a step: each gradient taken on its own, as an ``Entry``.
 
-``ReferenceSteps`` (mixed into ``MixedPrecisionOptimizer``) is what ``step()`` does with the
-gradients it finds, and what ``step_in_backward()`` does with each bucket backward stores.
-``_collect`` takes what a step updates: the whole buckets first (``BucketSteps`` of
-``_bucket_step.py``, the fast path beside this one), then each other gradient as an ``Entry``
-(``_entries``: its parameter, its ``.grad``, and where its row of the storage's stats table is).
-
-``_step_entries`` finds, for all entries at once, each one's factor to its true value (1 /
-storage scale x 1 / loss scale x clip coefficient) and whether the step is skipped
-(``_factors_and_skip``: a fixed number of operations, no host synchronisation). The storage
-scales are a column of the stats table. With ``max_grad_norm`` the norm of every gradient
-(``_stored_norms``) gives the clip coefficient, ``last_grad_norm`` and the inf/NaN check (and
-GradScaler's ``found_inf``, where there is one); without it, ``found_inf`` decides, or else the
-bounds on the true gradients, another column (a gradient whose bound no longer holds, assigned
-or changed in place, is measured). If any gradient, of an entry or of a whole bucket, is inf or
-NaN, nothing is updated.
-
-Then the whole buckets are updated by ``BucketSteps``, and the entries of each group: by
-``FusedSteps`` (``_fused_step.py``) when every group of the step is ``fused=True`` and has its
-state (and compiling has not failed), else by ``_step_group``, which creates the state as the
-parent does and hands the entries to the functional update in batches (``default_update`` of
-``_default_step.py``: gradients upcast and unscaled into bounded float32 buffers). ``_foreach``
-and ``_takes_torch_fused`` choose, for one such batch, the implementation of torch's
-functional update that an optimizer file's ``_update`` calls.
-
-It is the reference because it takes every gradient, however it is stored (alone, in a bucket
-shared with another optimizer, assigned, changed in place, of a parameter without state yet):
-the bucket path takes only what needs nothing per parameter, and is tested against this one
-(``tests/test_bucket_step.py``). ``_warn_if_changed_in_place`` is here because only entries can
-hold a float16 gradient changed in place before ``step()``. A stage of its own, like the bucket
-path and ``fused=True``, it leaves ``_core.py`` the optimizer itself: construction, checks and
-``step()``.
+``ReferenceSteps`` (mixed into ``MixedPrecisionOptimizer``) collects what a step updates
+(``_collect``), finds every factor and the skip at once (``_factors_and_skip``), and updates the
+entries of each group (``_step_entries``). It takes every gradient, however it is stored; the
+bucket path and ``fused=True`` are tested against it. See docs/design.md, "The step".
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Storage scales: the power of two a float16 gradient is stored with, applied and read back.
 
-The arithmetic, pure functions of tensors: ``power_of_two_scale`` puts a tensor's largest
-magnitude (``abs_max``) in ``[2**7, 2**8)``; powers of two are exact to apply and to undo, so a
-stored gradient's only error is its 16-bit rounding. Each has an ``_on_host`` twin giving the
-same result from a value read on the host. The step's reference path (``_reference_step.py``)
-measures gradients with ``abs_max`` too.
-
-``StorageScales`` (mixed into ``_storage.GradientStorage``) is the storage's stage for one
-gradient at a time, next to the buckets of ``_bucket_store.py``: the scale of a gradient in the
-storage's ``grad_dtype`` (``_storage_scales``; 1 in bfloat16), a gradient stored on its own with
-it (``_store_alone``), and the reads that undo it: where a gradient's scale and bound are
-(``stats_of``, ``stats_table``: a row of its bucket's stats table, or of its own one-row
-table), its scale (``scale_of``), its true float32 values (``true_grad``), and the inverse
-scales of an earlier gradient a new one is added to (``_inverse_scales``).
+Pure functions (``power_of_two_scale``, ``abs_max``, with ``_on_host`` twins) and
+``StorageScales`` (mixed into ``_storage.GradientStorage``): a gradient stored on its own, and
+the reads that undo its scale (``stats_of``, ``stats_table``, ``scale_of``, ``true_grad``).
 """
 
 from __future__ import annotations
@@ -35,8 +25,8 @@ _TARGET_EXPONENT = 8
 # Keeps the scale and its inverse finite, normal float32 numbers.
 _MAX_SCALE_EXPONENT = 126
 # Elements of one piece of a large gradient scaled on a CPU (``_scale_into``): 1 MiB of float32,
-# which stays in a core's cache between the multiplication and the rounding copy (measured on
-# a 4-layer 1024-wide MLP: backward 0.5-1.1 ms faster than with pieces of 1 Mi elements).
+# which stays in a core's cache between the multiplication and the rounding copy
+# (docs/performance.md).
 SCRATCH_PIECE = 1 << 18
 
 # The binades of float32: ``_BOUNDS[i]`` is 2**(i - 126), so that the number of bounds at or
@@ -194,7 +184,7 @@ class StorageScales:
         On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
         whole gradient first. For a gradient of up to ``SCRATCH_PIECE`` elements that temporary
         is small and comes back warm from the allocator, and one multiplication is the fastest
-        (measured on 40K elements: 8 us, against 16 us through the staging buffer). A larger
+        (docs/performance.md). A larger
         one's temporary is fresh memory, whose pages the system maps at the first write: there a
         dense gradient is scaled in pieces through the staging buffer instead (which the next
         bucket zeroes again), each piece a vectorised multiplication and a rounding copy, small

@@ -1,59 +1,11 @@
 """Gradient storage: makes each ``.grad`` of a float32 parameter land in a 16-bit dtype.
 
-What ``p.grad`` holds
-    After ``backward()``, ``p.grad`` is ``grad_dtype``. In float16 it holds the true gradient
-    times a per-tensor *storage scale*: a power of two, chosen when the gradient is stored, that
-    puts the largest magnitude in ``[2**7, 2**8)``. Powers of two are exact to apply and to undo,
-    so the only error is the 16-bit rounding of each element, whatever the magnitude of the
-    gradient (1e-9 or 1e6) and the loss scale. bfloat16 has float32's range: it holds the true
-    gradient (scale 1), rounded. ``GradientStorage.true_grad(p)`` gives the fp32 gradient.
-
-How it gets there (PyTorch >= 2.10)
-    * ``p.grad_dtype = None`` lets autograd accept a ``.grad`` whose dtype differs from ``p``.
-    * A pre-hook on the parameter's ``AccumulateGrad`` node sees each float32 gradient before
-      autograd stores it. A node hook, not a tensor hook: tensor hooks also run for
-      ``torch.autograd.grad``. Until it is stored in 16 bits, ``p.grad`` is that float32
-      gradient (true values): code that reads it during backward, or after a backward that
-      raised, sees what torch.optim would; one cleared in the meantime (``zero_grad()``) is
-      not stored.
-    * A gradient of up to ``_packing.budget(device).bucket_small`` elements waits in a bucket, as
-      DistributedDataParallel's reducer does: in the common case (a bucket filling in this
-      backward, no earlier gradient) the hook only marks the parameter as waiting and lets
-      autograd put the gradient in ``p.grad``, reading one tensor attribute; otherwise
-      (``_take``) it hands autograd no gradient and sets ``p.grad`` itself. A bucket is stored
-      when the next gradient would not fit (``capacity`` elements) and at the end of
-      ``backward()``, from a callback queued on the autograd engine by the backward's first
-      gradient, in a fixed number of operations, whatever the number of its gradients, into
-      one 16-bit buffer of which each ``p.grad`` is a view (``_bucket_store.py``).
-    * A backward that raised leaves its bucket waiting, and its end stores nothing. ``step()``,
-      ``true_grad()`` and the next backward store it: the next backward when it reaches one of
-      its parameters or fills the bucket; until then, the gradients that backward brings wait
-      with it, in ``p.grad``, float32, and ``step()`` stores them first.
-    * A larger gradient is stored at once, on its own (``_store_alone``): its bytes outweigh
-      the few operations that costs (on an accelerator four launches: its largest magnitude,
-      two for the scale, the scaled rounding; on a CPU the scale is found on the host). It is
-      also the plain reference of the bucket path.
-    * Gradient accumulation: a gradient already in ``p.grad`` when a new one arrives (stored by
-      mixedopt, or assigned by hand) is added to it in float32 before the sum is scaled, so the
-      sum is rounded to 16 bits once and its scale fits the sum itself.
-
-Stepping in backward
-    While an optimizer's ``step_in_backward()`` is on, each stored bucket (or gradient stored
-    alone) is handed at once to the consumer set for its parameters (``set_consumer``), which
-    updates them, in batches, and frees the gradients, still inside backward
-    (``_in_backward.py``).
-
-A gradient assigned by hand (``p.grad = g``) is taken as the true gradient (scale 1); one changed
-in place (``zero_grad(set_to_none=False)``, ``p.grad.mul_(...)``) keeps its scale. All of this is
-device work: no host synchronisation on CUDA.
-
-Transient memory of a backward: what its buckets take (``_bucket_store.py``); a gradient stored
-on its own costs nothing beyond itself, or one float32 copy when it is added to an earlier one.
-
-By stage: this module keeps a slot per parameter, installs its hook, takes what arrives there
-(``_take``) and hands stored gradients to their consumers; ``_bucket_store.py`` stores the
-buckets and finds them again for ``step()``; ``_scales.py`` holds the scale arithmetic, stores
-a gradient on its own and reads the scales back (``stats_of``, ``stats_table``, ``true_grad``).
+A pre-hook on each parameter's ``AccumulateGrad`` node takes the float32 gradient; small ones
+wait in a bucket stored at the end of backward (``_bucket_store.py``), large ones are stored at
+once (``_scales.py``). In float16 ``p.grad`` holds the true gradient times a power-of-two storage
+scale. This module keeps a slot per parameter, installs and removes the hooks, takes what
+arrives (``_take``) and lets go of an optimizer's parameters. See docs/design.md, "The gradient
+storage".
 """
 
 from __future__ import annotations
@@ -213,8 +165,8 @@ class GradientStorage(BucketStores, StorageScales):
                 # float32 gradient, and step() takes it as the true gradient.
                 return None
             # Runs for every parameter in every backward, between backward's own operations,
-            # which leave the caches cold for it: each tensor attribute it reads costs about a
-            # microsecond there. The common case reads one. A non-empty bucket (``slot.bucket``,
+            # which leave the caches cold for it: each tensor attribute it reads is costly there.
+            # The common case reads one. A non-empty bucket (``slot.bucket``,
             # set by ``_take``) is stored at the end of the backward under way, so the hook only
             # marks the parameter as waiting and lets autograd put the float32 gradient in
             # ``p.grad``, as it does for torch.optim; the bucket's store takes it from there.
