@@ -16,8 +16,9 @@ import torch
 from torch import Tensor
 
 from ._bucket_store import GroupIndex, WholeBucket
+from ._choice import Implementation, fused_requested, implementation
 from ._default_step import stored_batches, upcast_stored
-from ._packing import Workspace, budget, dense
+from ._packing import Workspace, budget
 from ._scales import any_non_finite
 from ._storage import GradientStorage
 
@@ -56,10 +57,9 @@ class BucketSteps:
         if not found:
             return [], left
         keys = [frozenset(self._state_keys(group)) for group in groups]
-        fused = [bool(group.get("fused")) for group in groups]
         taken = []
         for bucket in found:
-            states = self._states_of(bucket, keys, fused)
+            states = self._states_of(bucket, keys)
             if states is None:
                 left += len(bucket.params)  # the reference path takes them
             else:
@@ -67,26 +67,29 @@ class BucketSteps:
                 taken.append(bucket)
         return taken, left
 
-    def _states_of(
-        self, bucket: WholeBucket, keys: list[frozenset[str]], fused: list[bool]
-    ) -> list[Any] | None:
+    def _compiled_takes(self, group: dict[str, Any], params: list[Tensor]) -> bool:
+        """Whether the compiled kernels update ``params`` of a ``fused=True`` group."""
+        return (
+            fused_requested(group)
+            and implementation(
+                group, params, torch_fused=self._parent_has_torch_fused, compiled=True
+            )
+            is Implementation.COMPILED
+        )
+
+    def _states_of(self, bucket: WholeBucket, keys: list[frozenset[str]]) -> list[Any] | None:
         """The state of each parameter of ``bucket``; ``None`` where the bucket cannot be taken.
 
-        ``fused=True`` takes torch's fused update for parameters up to ``fused_small`` where
-        the parent has one; the others get compiled kernels, and a parameter without its state
-        yet gets it from its first step: those take the reference path. Over a bucket of one
-        group (the common case) the checks are passes in C (``map``), not a Python step per
+        Parameters the compiled kernels update (``fused=True``), and a parameter without its
+        state yet (it gets it from its first step), take the reference path. Over a bucket of
+        one group (the common case) the checks are passes in C (``map``), not a Python step per
         parameter.
         """
         if len(bucket.groups) > 1:
-            return self._states_of_members(bucket, keys, fused)
+            return self._states_of_members(bucket, keys)
         (index,) = bucket.groups
         params = bucket.params
-        if fused[index] and (
-            not self._parent_has_torch_fused
-            or max(bucket.rows.layout.numels) > budget(bucket.rows.stored.device).fused_small
-            or not dense(params)  # see _reference_step.ReferenceSteps._takes_torch_fused
-        ):
+        if self._compiled_takes(self.param_groups[index], params):
             return None
         if not keys[index]:  # like the parent, an optimizer without state (SGD) records none
             return [None] * len(params)
@@ -99,17 +102,12 @@ class BucketSteps:
         return states
 
     def _states_of_members(
-        self, bucket: WholeBucket, keys: list[frozenset[str]], fused: list[bool]
+        self, bucket: WholeBucket, keys: list[frozenset[str]]
     ) -> list[Any] | None:
         """``_states_of`` for a bucket that spans groups, parameter by parameter."""
-        fused_small = budget(bucket.rows.stored.device).fused_small
         states = []
         for index, param in zip(bucket.indices, bucket.params, strict=True):
-            if fused[index] and (
-                not self._parent_has_torch_fused
-                or param.numel() > fused_small
-                or not dense([param])
-            ):
+            if self._compiled_takes(self.param_groups[index], [param]):
                 return None
             if keys[index]:
                 found_state = self.state.get(param)
@@ -170,7 +168,8 @@ class BucketSteps:
             for index, params, group_grads, states in _by_group(chosen, grads):
                 group = groups[index]
                 states = states if keys[index] else []
-                found = None if skip is None or not group.get("fused") else skip.to(device).float()
+                fused = fused_requested(group)
+                found = None if skip is None or not fused else skip.to(device).float()
                 self._update(
                     group,
                     params,

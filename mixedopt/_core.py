@@ -19,6 +19,7 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 
 from ._bucket_step import BucketSteps
 from ._bucket_store import GroupIndex
+from ._choice import Implementation, fused_requested, implementation
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
 from ._fused_step import FusedSteps
@@ -192,7 +193,7 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
         its parameters moved, say.
         """
         for group in self.param_groups:
-            if not group.get("fused") or id(group) in self._fused_devices_checked:
+            if not fused_requested(group) or id(group) in self._fused_devices_checked:
                 continue
             with_grad = [p for p in group["params"] if p.grad is not None]
             for p in with_grad:
@@ -259,10 +260,8 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
         ``by_group`` has a list per param group of parameters whose gradients backward has just
         stored. Returns False, having updated nothing, where a gradient is inf or NaN.
         """
-        buckets, steps = self._collect(by_group)  # as step() takes them
-        if not steps and not buckets:
-            return True
-        return self._step_entries(steps, None, None, on_host=True, buckets=buckets)
+        collected = self._collect(by_group)  # as step() takes them
+        return not collected or self._step_entries(collected, None, None, on_host=True)
 
     # ------------------------------------------------------------------ step
 
@@ -291,32 +290,22 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._grad_storage.flush()  # gradients of a backward that ended early
-        self._check_fused_devices()
-        if not self._warned_compiled_autograd and compiled_autograd_is_on():
-            self._warned_compiled_autograd = True
-            warnings.warn(
-                "mixedopt: compiled autograd (torch._dynamo.config.compiled_autograd) traces "
-                "the backward into one graph, where mixedopt leaves the gradients float32 "
-                "until step(): the steps are right, but no gradient memory is saved. Turn it "
-                f"off to have the gradients stored in {self.grad_dtype}.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
+        # 0. What a backward left waiting in a bucket (one that raised, or ended early).
+        self._grad_storage.flush()
         grad_scale = getattr(self, "grad_scale", None)  # GradScaler's, during its step()
         found_inf = getattr(self, "found_inf", None)
-        if self._in_backward.updated:
-            self._in_backward.updated = False
-            # GradScaler found no gradient: the backward had used them, scaled.
-            if found_inf is not None and not torch.is_tensor(found_inf):
-                raise grad_scaler_error(self)
-
-        buckets, steps = self._collect()
-        if not steps and not buckets:
+        self._check_before_step(found_inf)
+        # 1. What a step updates: the whole buckets, and the other gradients as entries.
+        collected = self._collect()
+        if not collected:
             return loss
         if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
-            self._warn_if_changed_in_place([e for _, entries in steps for e in entries])
-        if self._step_entries(steps, grad_scale, found_inf, buckets=buckets):
+            self._warn_if_changed_in_place([e for _, entries in collected.steps for e in entries])
+        # 2. Each gradient's factor to its true value, and the skip on inf or NaN.
+        scaling = self._scaling(collected, grad_scale, found_inf)
+        if not scaling.read_skip():
+            # 3. The update, batch by batch: whole buckets, then each group's entries.
+            self._update_collected(collected, scaling)
             return loss
 
         self._skipped_on_host += 1
@@ -328,6 +317,25 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
                 stacklevel=user_stacklevel(),
             )
         return loss
+
+    def _check_before_step(self, found_inf: Tensor | None) -> None:
+        """What ``step()`` refuses or warns about before it collects anything."""
+        self._check_fused_devices()
+        if not self._warned_compiled_autograd and compiled_autograd_is_on():
+            self._warned_compiled_autograd = True
+            warnings.warn(
+                "mixedopt: compiled autograd (torch._dynamo.config.compiled_autograd) traces "
+                "the backward into one graph, where mixedopt leaves the gradients float32 "
+                "until step(): the steps are right, but no gradient memory is saved. Turn it "
+                f"off to have the gradients stored in {self.grad_dtype}.",
+                UserWarning,
+                stacklevel=user_stacklevel(),
+            )
+        if self._in_backward.updated:
+            self._in_backward.updated = False
+            # GradScaler found no gradient: the backward had used them, scaled.
+            if found_inf is not None and not torch.is_tensor(found_inf):
+                raise grad_scaler_error(self)
 
     # ------------------------------------------------------------------ per optimizer
 
@@ -343,10 +351,16 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
         if len(state) != 0:
             return
         # Like torch.optim.Adam(fused=True), a fused optimizer keeps its step on the device.
-        device = param.device if group.get("fused") else None
+        device = param.device if fused_requested(group) else None
         state["step"] = torch.zeros((), dtype=torch.float32, device=device)
         for key in self._state_keys(group):
             state[key] = torch.zeros_like(param, memory_format=torch.preserve_format)
+
+    def _torch_implementation(self, group: dict[str, Any], params: list[Tensor]) -> Implementation:
+        """Which of torch's implementations ``_update`` calls for ``params`` (``_choice.py``)."""
+        return implementation(
+            group, params, torch_fused=self._parent_has_torch_fused, compiled=False
+        )
 
     def _update(
         self,

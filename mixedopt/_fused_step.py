@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _compiled
+from ._choice import Implementation, fused_requested, implementation
 from ._default_step import default_update
 from ._distributed import is_dtensor, local
 from ._packing import Entry, Workspace, budget, by_device, dense_order, flat_view, packs
@@ -203,7 +204,7 @@ class FusedSteps:
         Only once every parameter has its state: the first step runs the default path, which
         creates the state exactly as the parent does (and skips without creating any).
         """
-        if not group.get("fused") or not _compiled.available():
+        if not fused_requested(group) or not _compiled.available():
             return False
         keys = self._state_keys(group)
         return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
@@ -227,12 +228,11 @@ class FusedSteps:
                 for e in device_entries:
                     e.state = self.state[e.param]
             if self._parent_has_torch_fused:
-                small = budget(device).fused_small
                 taken = [
                     i
                     for i, e in enumerate(device_entries)
-                    # Dense: see _reference_step.ReferenceSteps._takes_torch_fused.
-                    if e.param.numel() <= small and dense_order(e.param) is not None
+                    if implementation(group, [e.param], torch_fused=True, compiled=True)
+                    is Implementation.TORCH_FUSED
                 ]
                 if taken:
                     self._torch_fused_update(

@@ -13,7 +13,7 @@ import sys
 import warnings
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -56,6 +56,33 @@ def _l2_norm(grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(torch.stack(parts))
 
 
+class Collected(NamedTuple):
+    """What a step updates: the whole buckets, and the other gradients per group, as entries."""
+
+    buckets: list[WholeBucket]
+    steps: list[tuple[dict[str, Any], list[Entry]]]
+
+    def __bool__(self) -> bool:
+        return bool(self.buckets or self.steps)
+
+
+class Scaling(NamedTuple):
+    """Each gradient's factor to its true value, and whether the step is skipped."""
+
+    factors: Tensor | None  # one per entry, in order
+    bucket_unscale: Tensor | None  # GradScaler's and clipping's, for the whole buckets
+    skip: Tensor  # 0-dim bool: a gradient is inf or NaN, or GradScaler found one
+    fused: bool  # every group takes the fused=True path
+    on_device: bool  # the skip is decided on the device (no host read)
+
+    def read_skip(self) -> bool:
+        """Whether the step is skipped, read on the host unless decided on the device."""
+        # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep
+        # the old values where it is set, without host synchronisation, and the default path
+        # synchronises once, here.
+        return not self.on_device and bool(self.skip)
+
+
 class ReferenceSteps:
     """The reference path of ``step()``; see the module's docstring."""
 
@@ -81,25 +108,24 @@ class ReferenceSteps:
     _init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
     _update: Callable[..., None]
 
-    def _step_entries(
+    def _scaling(
         self,
-        steps: list[tuple[dict[str, Any], list[Entry]]],
+        collected: Collected,
         grad_scale: Tensor | None,
         found_inf: Tensor | None,
         on_host: bool = False,
-        buckets: list[WholeBucket] | None = None,
-    ) -> bool:
-        """Update each group's entries and ``buckets``; ``False`` where the step is skipped.
+    ) -> Scaling:
+        """Each gradient's factor to its true value, and whether the step is skipped.
 
         Skipped, nothing changed, when GradScaler's ``found_inf`` is set or a gradient is inf
-        or NaN. The default path reads that flag on the host: on an accelerator, the one host
-        synchronisation of a step (torch's foreach and for-loop updates cannot skip on the
-        device). Fused steps on an accelerator decide it on the device (and return ``True``)
-        unless ``on_host``: no synchronisation. ``buckets`` take their own path
-        (``BucketSteps``).
+        or NaN. The default path reads that flag on the host (``Scaling.read_skip``): on an
+        accelerator, the one host synchronisation of a step (torch's foreach and for-loop
+        updates cannot skip on the device). Fused steps on an accelerator decide it on the
+        device unless ``on_host``: no synchronisation.
         """
+        buckets, steps = collected
         entries = [e for _, group_entries in steps for e in group_entries]
-        skips, factors = [], None
+        skips, factors, unscale = [], None, None
         if entries:
             factors, skip = self._factors_and_skip(entries, grad_scale, found_inf)
             skips.append(skip)
@@ -107,32 +133,47 @@ class ReferenceSteps:
             unscale, skip = self._bucket_factors_and_skip(buckets, grad_scale, found_inf)
             skips.append(skip)
         skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
-        bucket_groups = set().union(*(bucket.groups for bucket in buckets or ()))
+        bucket_groups = set().union(*(bucket.groups for bucket in buckets))
         fused = all(self._takes_fused_path(group, entries) for group, entries in steps) and all(
             self._takes_fused_path(self.param_groups[index], []) for index in bucket_groups
         )
         on_device = fused and not on_host and not _packing.budget(skip.device).on_host
-        # On the CPU reading the flag costs nothing; on an accelerator the fused kernels keep the
-        # old values where it is set, without host synchronisation, and the default path
-        # synchronises once, here.
-        if not on_device and bool(skip):
-            return False
+        return Scaling(factors, unscale, skip, fused, on_device)
+
+    def _update_collected(self, collected: Collected, scaling: Scaling) -> None:
+        """Update the whole buckets, then each group's entries, with ``scaling``'s factors."""
+        buckets, steps = collected
+        device_skip = scaling.skip if scaling.on_device else None
         if buckets:
-            self._update_buckets(buckets, unscale, skip if on_device else None)
+            self._update_buckets(buckets, scaling.bucket_unscale, device_skip)
         start = 0
         for group, group_entries in steps:
-            assert factors is not None
-            group_factors = factors[start : start + len(group_entries)]
+            assert scaling.factors is not None
+            group_factors = scaling.factors[start : start + len(group_entries)]
             start += len(group_entries)
-            if fused:
-                device_skip = skip if on_device else None
+            if scaling.fused:
                 self._step_group_fused_path(group, group_entries, group_factors, device_skip)
             else:
                 self._step_group(group, group_entries, group_factors)
-        if on_device:
+        if scaling.on_device:
             if self._skipped_on_device is None:
-                self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
-            self._skipped_on_device += skip
+                self._skipped_on_device = torch.zeros(
+                    (), dtype=torch.int64, device=scaling.skip.device
+                )
+            self._skipped_on_device += scaling.skip
+
+    def _step_entries(
+        self,
+        collected: Collected,
+        grad_scale: Tensor | None,
+        found_inf: Tensor | None,
+        on_host: bool = False,
+    ) -> bool:
+        """Scale and update ``collected``; ``False``, nothing changed, where the step is skipped."""
+        scaling = self._scaling(collected, grad_scale, found_inf, on_host)
+        if scaling.read_skip():
+            return False
+        self._update_collected(collected, scaling)
         return True
 
     def _warn_if_changed_in_place(self, entries: list[Entry]) -> None:
@@ -173,16 +214,14 @@ class ReferenceSteps:
             stacklevel=user_stacklevel(),
         )
 
-    def _collect(
-        self, params: list[list[Tensor]] | None = None
-    ) -> tuple[list[WholeBucket], list[tuple[dict[str, Any], list[Entry]]]]:
+    def _collect(self, params: list[list[Tensor]] | None = None) -> Collected:
         """What a step updates: the whole buckets, and the other gradients per group.
 
         Among ``params`` (a list per parameter group; default: all of them).
         """
         buckets, left = self._take_whole_buckets(params)
         if left == 0:  # every gradient is in a whole bucket
-            return buckets, []
+            return Collected(buckets, [])
         taken = {id(param) for bucket in buckets for param in bucket.params}
         if params is None:
             params = [group["params"] for group in self.param_groups]
@@ -190,7 +229,7 @@ class ReferenceSteps:
             (group, self._entries(chosen, taken))
             for group, chosen in zip(self.param_groups, params, strict=True)
         ]
-        return buckets, [(group, entries) for group, entries in steps if entries]
+        return Collected(buckets, [(group, entries) for group, entries in steps if entries])
 
     def _entries(
         self, params: list[Tensor], taken: set[int] | frozenset[int] = frozenset()
@@ -281,42 +320,6 @@ class ReferenceSteps:
             if norms[i] is None:
                 norms[i] = _l2_norm(e.grad)
         return torch.stack([n.to(device) for n in full_values(norms)])  # type: ignore[arg-type]
-
-    @staticmethod
-    def _foreach(group: dict[str, Any], params: list[Tensor]) -> bool | None:
-        """The ``foreach`` the functional update gets for a batch of ``params``.
-
-        ``foreach=None`` (the default) takes torch's foreach implementation on a CPU for a batch
-        of small tensors (32Ki elements each on average, or fewer), where a dispatch per tensor
-        and operation costs more than the temporaries it saves, and leaves the choice to torch
-        otherwise (the for-loop implementation on a CPU, foreach on CUDA). Both give the same
-        result. A tensor ``lr`` leaves it to torch too: torch's foreach Adam refuses one
-        without ``capturable`` (which mixedopt refuses), and torch's choice avoids it.
-        """
-        foreach = group["foreach"]
-        if (
-            foreach is None
-            and params
-            and params[0].device.type == "cpu"
-            and not torch.is_tensor(group["lr"])
-        ):
-            elements = sum(map(Tensor.numel, params))
-            return elements <= _packing.CPU_SMALL * len(params)
-        return foreach
-
-    @staticmethod
-    def _takes_torch_fused(group: dict[str, Any], params: list[Tensor]) -> bool:
-        """Whether a batch of ``params`` takes the parent's fused implementation.
-
-        A ``fused=True`` group's batch, unless a parameter is not dense: torch's fused kernels
-        walk a tensor's memory from its first element to its size, which is right for a dense
-        tensor whose gradient and state share its strides (as mixedopt's do). On a strided view
-        with gaps (torch 2.13, CPU), ``torch.optim.SGD(fused=True)`` updates other elements
-        and writes into the gaps, memory that is not the parameter's. Such a batch takes torch's
-        other implementations, and ``fused=True`` steps give such parameters to the compiled
-        kernels.
-        """
-        return bool(group.get("fused")) and _packing.dense(params)
 
     def _step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
         keys = self._state_keys(group)

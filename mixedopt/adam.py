@@ -41,7 +41,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
         found_inf: Tensor | None = None,
     ) -> None:
         beta1, beta2 = group["betas"]
-        fused = self._takes_torch_fused(group, params)
+        chosen = self._torch_implementation(group, params).functional_kwargs()
         adam(
             params,
             grads,
@@ -56,8 +56,8 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             weight_decay=group["weight_decay"],
             eps=group["eps"],
             maximize=group["maximize"],
-            foreach=None if fused else self._foreach(group, params),
-            fused=fused,
+            foreach=chosen["foreach"],
+            fused=chosen["fused"],
             found_inf=found_inf,
             decoupled_weight_decay=group["decoupled_weight_decay"],
         )

@@ -64,7 +64,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
             centered=group["centered"],
-            foreach=self._foreach(group, params),
+            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
             maximize=group["maximize"],
         )
 

@@ -40,7 +40,7 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
         steps: list[Tensor],
         found_inf: Tensor | None = None,
     ) -> None:
-        fused = self._takes_torch_fused(group, params)
+        chosen = self._torch_implementation(group, params).functional_kwargs()
         sgd(
             params,
             grads,
@@ -51,8 +51,8 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             dampening=group["dampening"],
             nesterov=group["nesterov"],
             maximize=group["maximize"],
-            foreach=None if fused else self._foreach(group, params),
-            fused=fused,
+            foreach=chosen["foreach"],
+            fused=chosen["fused"],
             found_inf=found_inf,
         )
 
