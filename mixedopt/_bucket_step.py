@@ -1,15 +1,15 @@
 """The step of whole buckets: a training loop's small gradients taken as backward stored them.
 
-``BucketSteps`` (mixed into ``MixedPrecisionOptimizer``) updates the buckets whose gradients all
-belong to the optimizer, untouched, with nothing per parameter but its state; everything else
-takes the reference path (``_reference_step.py``), which it is tested against bit for bit.
+``WholeBucketPath`` (a component of ``MixedPrecisionOptimizer``) updates the buckets whose
+gradients all belong to the optimizer, untouched, with nothing per parameter but its state;
+everything else takes the reference path (``_reference_step.py``), which it is tested against
+bit for bit.
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,27 +19,22 @@ from ._bucket_store import GroupIndex, WholeBucket
 from ._choice import Implementation, fused_requested, implementation
 from ._default_step import stored_batches, upcast_stored
 from ._packing import Workspace, budget
+from ._rules import UpdateRules
 from ._scales import any_non_finite
 from ._storage import GradientStorage
 
 
-class BucketSteps:
-    """Takes and updates the whole buckets of a step; see the module's docstring."""
+class WholeBucketPath:
+    """Takes and updates the whole buckets of a step; see the module."""
 
-    # Set by MixedPrecisionOptimizer and torch.optim's classes.
-    param_groups: list[dict[str, Any]]
-    state: Any
-    max_grad_norm: float | None
-    _grad_storage: GradientStorage
-    _workspace: Workspace
-    _group_index: GroupIndex
-    _parent_has_torch_fused: bool
-    # The optimizer's own hooks (MixedPrecisionOptimizer and the optimizer files).
-    _state_keys: Callable[[dict[str, Any]], list[str]]
-    _update: Callable[..., None]
+    def __init__(self, rules: UpdateRules, storage: GradientStorage, workspace: Workspace) -> None:
+        self.rules = rules
+        self.storage = storage
+        self.workspace = workspace
+        self.group_index = GroupIndex()  # the group of each parameter
 
-    def _take_whole_buckets(
-        self, params: list[list[Tensor]] | None = None
+    def take(
+        self, params: list[list[Tensor]] | None, max_grad_norm: float | None
     ) -> tuple[list[WholeBucket], int | None]:
         """The buckets this step updates on its own path, and how many gradients it leaves.
 
@@ -47,16 +42,16 @@ class BucketSteps:
         ``None`` left (not looked for), with ``max_grad_norm``. Each bucket taken has the state
         of its parameters.
         """
-        if self.max_grad_norm is not None:
+        if max_grad_norm is not None:
             return [], None  # not looked for: the reference path looks at every gradient
-        groups = self.param_groups
+        groups = self.rules.param_groups
         if params is None:
             params = [group["params"] for group in groups]
-        self._group_index.refresh(params)
-        found, left = self._grad_storage.whole_buckets(self._group_index)
+        self.group_index.refresh(params)
+        found, left = self.storage.whole_buckets(self.group_index)
         if not found:
             return [], left
-        keys = [frozenset(self._state_keys(group)) for group in groups]
+        keys = [frozenset(self.rules._state_keys(group)) for group in groups]
         taken = []
         for bucket in found:
             states = self._states_of(bucket, keys)
@@ -72,7 +67,7 @@ class BucketSteps:
         return (
             fused_requested(group)
             and implementation(
-                group, params, torch_fused=self._parent_has_torch_fused, compiled=True
+                group, params, torch_fused=self.rules._parent_has_torch_fused, compiled=True
             )
             is Implementation.COMPILED
         )
@@ -89,11 +84,11 @@ class BucketSteps:
             return self._states_of_members(bucket, keys)
         (index,) = bucket.groups
         params = bucket.params
-        if self._compiled_takes(self.param_groups[index], params):
+        if self._compiled_takes(self.rules.param_groups[index], params):
             return None
         if not keys[index]:  # like the parent, an optimizer without state (SGD) records none
             return [None] * len(params)
-        states = list(map(self.state.get, params))
+        states = list(map(self.rules.state.get, params))
         if any(map(operator.is_, states, itertools.repeat(None))):
             return None
         for key in keys[index]:
@@ -107,10 +102,10 @@ class BucketSteps:
         """``_states_of`` for a bucket that spans groups, parameter by parameter."""
         states = []
         for index, param in zip(bucket.indices, bucket.params, strict=True):
-            if self._compiled_takes(self.param_groups[index], [param]):
+            if self._compiled_takes(self.rules.param_groups[index], [param]):
                 return None
             if keys[index]:
-                found_state = self.state.get(param)
+                found_state = self.rules.state.get(param)
                 if found_state is None or not keys[index] <= found_state.keys():
                     return None
                 states.append(found_state)
@@ -118,12 +113,12 @@ class BucketSteps:
                 states.append(None)
         return states
 
-    def _bucket_factors_and_skip(
+    def factors_and_skip(
         self, buckets: list[WholeBucket], grad_scale: Tensor | None, found_inf: Tensor | None
     ) -> tuple[Tensor | None, Tensor]:
         """1 / loss scale (``None``: 1), and whether a gradient of ``buckets`` is inf or NaN.
 
-        A bucket's factor per gradient is that over its storage scale (``_update_buckets``).
+        A bucket's factor per gradient is that over its storage scale (``update``).
         """
         device = buckets[0].rows.stored.device
         unscale = None
@@ -138,7 +133,7 @@ class BucketSteps:
             tables = [torch.cat([table.to(device) for table in tables])]
         return unscale, any_non_finite(tables[0])
 
-    def _update_buckets(
+    def update(
         self, buckets: list[WholeBucket], unscale: Tensor | None, skip: Tensor | None
     ) -> None:
         """Update the parameters of ``buckets``, in batches of buckets (``budget(device).piece``).
@@ -146,8 +141,8 @@ class BucketSteps:
         ``skip`` (on an accelerator, every group fused) goes to torch's fused update as
         ``found_inf``: nothing changes where it is set, without host synchronisation.
         """
-        groups = self.param_groups
-        keys = [self._state_keys(group) for group in groups]
+        groups = self.rules.param_groups
+        keys = [self.rules._state_keys(group) for group in groups]
         piece = budget(buckets[0].rows.stored.device).piece
         for batch in stored_batches([bucket.rows for bucket in buckets], piece):
             chosen = [buckets[i] for i in batch]
@@ -163,14 +158,14 @@ class BucketSteps:
             elif chosen[0].rows.stored.dtype != torch.bfloat16:
                 divisors = stats  # divided by the storage scales
             grads = upcast_stored(
-                self._workspace, [bucket.rows for bucket in chosen], factors, divisors
+                self.workspace, [bucket.rows for bucket in chosen], factors, divisors
             )
             for index, params, group_grads, states in _by_group(chosen, grads):
                 group = groups[index]
                 states = states if keys[index] else []
                 fused = fused_requested(group)
                 found = None if skip is None or not fused else skip.to(device).float()
-                self._update(
+                self.rules._update(
                     group,
                     params,
                     group_grads,

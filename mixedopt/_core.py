@@ -2,8 +2,9 @@
 
 Construction and the checks of parameters and groups, copying and pickling, the public extras
 (``remove_grad_storage``, ``true_grad``, ``step_in_backward``, ``skipped_steps``), ``step()``, and
-the hooks an optimizer file implements (``_state_keys``, ``_init_state``, ``_update``). The stages
-of the step are mixins of their own modules; see docs/design.md, "The step".
+the rules an optimizer file implements (``_state_keys``, ``_init_state``, ``_update``, the
+compiled kernel). Its base, ``ReferenceSteps``, is the step's reference path; the whole-bucket
+path and ``fused=True`` are components it owns. See docs/design.md, "The step".
 """
 
 from __future__ import annotations
@@ -11,29 +12,27 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from ._bucket_step import BucketSteps
-from ._bucket_store import GroupIndex
+from ._bucket_step import WholeBucketPath
 from ._choice import Implementation, fused_requested, implementation
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
-from ._fused_step import FusedSteps
+from ._fused_step import FusedPath
 from ._in_backward import InBackwardState, UpdatingBackward, grad_scaler_error
 from ._packing import Workspace
 from ._reference_step import ReferenceSteps, user_stacklevel
+from ._rules import UpdateRules
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
 
-# ReferenceSteps after the mixins whose methods it declares: mypy checks a base's declaration of a
-# name against that of each later base.
-class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.optim.Optimizer):
+class MixedPrecisionOptimizer(ReferenceSteps, torch.optim.Optimizer):
     """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
 
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
@@ -106,8 +105,12 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
         self._skipped_on_host = skipped_steps
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
         self._workspace = Workspace()  # buffers gradients are upcast and parameters packed into
-        self._group_index = GroupIndex()  # the group of each parameter, for whole buckets
         self._grad_storage = GradientStorage.shared(grad_dtype)
+        # The components of the step see the optimizer through a weak proxy: no reference
+        # cycle, so that a dropped optimizer lets go of its parameters at once.
+        rules = cast(UpdateRules, weakref.proxy(self))
+        self._whole_buckets = WholeBucketPath(rules, self._grad_storage, self._workspace)
+        self._fused_path = FusedPath(rules, self._workspace, self._grad_storage.stored_bucket)
         self._held_params: set[int] = set()  # ids of the parameters this optimizer holds
         self._fused_devices_checked: set[int] = set()  # ids of the fused groups checked
         # The storage does not reference the optimizer: its parameters are let go when it dies.
@@ -338,6 +341,23 @@ class MixedPrecisionOptimizer(BucketSteps, FusedSteps, ReferenceSteps, torch.opt
                 raise grad_scaler_error(self)
 
     # ------------------------------------------------------------------ per optimizer
+
+    # The compiled update of one parameter or one pack (``_compiled.py``), its state arguments
+    # in order, and whether the parent's functional update has a fused implementation.
+    _compiled_kernel: Callable[..., None]
+    _compiled_state_order: tuple[str, ...] = ()
+    _parent_has_torch_fused = False
+
+    def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
+        """The arguments of the compiled kernel that a group shares, after the skip flag."""
+        raise NotImplementedError
+
+    def _compiled_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
+        """Coefficients per parameter that depend on its step counter (Adam's bias corrections).
+
+        Each is a 1-D tensor like ``steps``.
+        """
+        return []
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         """Elementwise float32 state tensors the update reads for this group, in order."""

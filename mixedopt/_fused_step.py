@@ -1,6 +1,6 @@
 """``fused=True``: a group's update by kernels that read the 16-bit gradients.
 
-``FusedSteps`` (mixed into ``MixedPrecisionOptimizer``): torch's fused update for parameters of
+``FusedPath`` (a component of ``MixedPrecisionOptimizer``): torch's fused update for parameters of
 up to ``budget(device).fused_small`` elements where the parent has one, mixedopt's compiled
 kernels (``_compiled.py``) for the others, packed or a few large ones per call; the default path
 where no compiler is available.
@@ -16,9 +16,10 @@ from torch import Tensor
 
 from . import _compiled
 from ._choice import Implementation, fused_requested, implementation
-from ._default_step import default_update
+from ._default_step import StoredRowsLookup, default_update
 from ._distributed import is_dtensor, local
 from ._packing import Entry, Workspace, budget, by_device, dense_order, flat_view, packs
+from ._rules import UpdateRules
 
 
 def _aliases(param: Tensor, tensors: list[Tensor], workspace: Workspace) -> list[Tensor]:
@@ -165,40 +166,20 @@ def _run_pack(
     return True
 
 
-class FusedSteps:
-    """The ``fused=True`` step of a group, mixed into ``MixedPrecisionOptimizer``.
+class FusedPath:
+    """The ``fused=True`` step of a group, a component of the optimizer; see the module."""
 
-    Torch's own fused update for small parameters where the parent has one, the compiled
-    kernels (``run_compiled_kernels``) for the others; the default path (``_step_group``) where no
-    compiler is available.
-    """
+    def __init__(
+        self,
+        rules: UpdateRules,
+        workspace: Workspace,
+        stored_bucket: StoredRowsLookup,
+    ) -> None:
+        self.rules = rules
+        self.workspace = workspace
+        self.stored_bucket = stored_bucket  # the storage's rows of a stored bucket
 
-    # What the optimizer it is mixed into provides (``_core.MixedPrecisionOptimizer``).
-    state: Any
-    _workspace: Workspace
-    _grad_storage: Any
-    _state_keys: Callable[[dict[str, Any]], list[str]]
-    _update: Callable[..., None]
-    _step_group: Callable[[dict[str, Any], list[Entry], Tensor], None]
-
-    # Per optimizer: the compiled update of one parameter or one pack (``_compiled.py``), its
-    # state arguments in order, and the arguments the group shares.
-    _compiled_kernel: Callable[..., None]
-    _compiled_state_order: tuple[str, ...] = ()
-    # Whether the parent's functional update has a fused implementation (``fused=True``).
-    _parent_has_torch_fused = False
-
-    def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
-        raise NotImplementedError
-
-    def _compiled_coefficients(self, group: dict[str, Any], steps: Tensor) -> list[Tensor]:
-        """Coefficients per parameter that depend on its step counter (Adam's bias corrections).
-
-        Each is a 1-D tensor like ``steps``.
-        """
-        return []
-
-    def _takes_fused_path(self, group: dict[str, Any], entries: list[Entry]) -> bool:
+    def takes(self, group: dict[str, Any], entries: list[Entry]) -> bool:
         """Whether this group steps with the compiled kernels now.
 
         Only once every parameter has its state: the first step runs the default path, which
@@ -206,10 +187,10 @@ class FusedSteps:
         """
         if not fused_requested(group) or not _compiled.available():
             return False
-        keys = self._state_keys(group)
-        return all(key in self.state.get(e.param, {}) for e in entries for key in keys)
+        keys = self.rules._state_keys(group)
+        return all(key in self.rules.state.get(e.param, {}) for e in entries for key in keys)
 
-    def _step_group_fused_path(
+    def step_group(
         self, group: dict[str, Any], entries: list[Entry], factors: Tensor, skip: Tensor | None
     ) -> None:
         """Update ``entries`` with fused updates that read no host value.
@@ -221,13 +202,13 @@ class FusedSteps:
         16-bit gradients directly. ``skip`` is None on the CPU (the caller does not step when a
         gradient is inf/NaN); on an accelerator both keep the old values where it is set.
         """
-        keys = self._state_keys(group)
+        keys = self.rules._state_keys(group)
         for device, (device_entries, device_factors) in by_device(entries, factors).items():
             device_skip = None if skip is None else skip.to(device)
             if keys:  # like the parent, an optimizer with no state records none
                 for e in device_entries:
-                    e.state = self.state[e.param]
-            if self._parent_has_torch_fused:
+                    e.state = self.rules.state[e.param]
+            if self.rules._parent_has_torch_fused:
                 taken = [
                     i
                     for i, e in enumerate(device_entries)
@@ -235,16 +216,14 @@ class FusedSteps:
                     is Implementation.TORCH_FUSED
                 ]
                 if taken:
-                    self._torch_fused_update(
-                        group, device_entries, device_factors, taken, device_skip
-                    )
+                    self._torch_fused(group, device_entries, device_factors, taken, device_skip)
                     kept = sorted(set(range(len(device_entries))) - set(taken))
                     device_entries = [device_entries[i] for i in kept]
-                    device_factors = device_factors[self._workspace.index(kept, device)]
+                    device_factors = device_factors[self.workspace.index(kept, device)]
             if device_entries:
-                self._compiled_update(group, keys, device_entries, device_factors, device_skip)
+                self._compiled(group, keys, device_entries, device_factors, device_skip)
 
-    def _torch_fused_update(
+    def _torch_fused(
         self,
         group: dict[str, Any],
         entries: list[Entry],
@@ -259,22 +238,22 @@ class FusedSteps:
         device = factors.device
         chosen = [entries[i] for i in taken]
         if len(chosen) != len(entries):
-            factors = factors[self._workspace.index(taken, device)]
+            factors = factors[self.workspace.index(taken, device)]
         found_inf = None if skip is None else skip.float()
 
         def update(params: list[Tensor], grads: list[Tensor], states: Any, steps: Any) -> None:
-            self._update(group, params, grads, states, steps, found_inf=found_inf)
+            self.rules._update(group, params, grads, states, steps, found_inf=found_inf)
 
         default_update(
             update,
-            self._state_keys(group),
+            self.rules._state_keys(group),
             chosen,
             factors,
-            self._workspace,
-            self._grad_storage.stored_bucket,
+            self.workspace,
+            self.stored_bucket,
         )
 
-    def _compiled_update(
+    def _compiled(
         self,
         group: dict[str, Any],
         keys: list[str],
@@ -293,16 +272,16 @@ class FusedSteps:
                 if step.device != device:  # from a non-fused checkpoint
                     step = e.state["step"] = step.to(device)
                 steps.append(step)
-        coefficients = self._compiled_coefficients(group, torch.stack(steps)) if steps else []
+        coefficients = self.rules._compiled_coefficients(group, torch.stack(steps)) if steps else []
         left = run_compiled_kernels(
-            self._compiled_kernel,
+            self.rules._compiled_kernel,
             keys,
-            self._compiled_state_order,
+            self.rules._compiled_state_order,
             entries,
             signed,
             coefficients,
-            (skip, *self._compiled_hyperparameters(group)),
-            self._workspace,
+            (skip, *self.rules._compiled_hyperparameters(group)),
+            self.workspace,
         )
         done = set(range(len(entries))) - set(left)
         advanced = [steps[i] for i in sorted(done)] if steps else []
@@ -313,5 +292,5 @@ class FusedSteps:
             # the list would be read on the host, as a Python number.
             torch._foreach_add_(advanced, [(~skip).float()] * len(advanced))
         if left and skip is None:  # no compiler: the rest takes the default path
-            rest = factors[self._workspace.index(left, device)]
-            self._step_group(group, [entries[i] for i in left], rest)
+            rest = factors[self.workspace.index(left, device)]
+            self.rules._step_group(group, [entries[i] for i in left], rest)

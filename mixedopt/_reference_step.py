@@ -19,9 +19,11 @@ import torch
 from torch import Tensor
 
 from . import _packing
+from ._bucket_step import WholeBucketPath
 from ._bucket_store import WholeBucket
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
+from ._fused_step import FusedPath
 from ._packing import Entry, Workspace, by_device, dense_order, flat_view
 from ._scales import abs_max, any_non_finite
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
@@ -86,8 +88,8 @@ class Scaling(NamedTuple):
 class ReferenceSteps:
     """The reference path of ``step()``; see the module's docstring."""
 
-    # What the optimizer it is mixed into provides (``_core.MixedPrecisionOptimizer``, torch.optim's
-    # classes, ``BucketSteps``, ``FusedSteps`` and the optimizer files).
+    # The optimizer's own (``_core.MixedPrecisionOptimizer``, torch.optim's classes and the
+    # optimizer files), and the components of its step it owns.
     param_groups: list[dict[str, Any]]
     state: Any
     grad_dtype: torch.dtype
@@ -97,16 +99,17 @@ class ReferenceSteps:
     _workspace: Workspace
     _warned_changed_in_place: bool
     _skipped_on_device: Tensor | None
-    _take_whole_buckets: Callable[[list[list[Tensor]] | None], tuple[list[WholeBucket], int | None]]
-    _bucket_factors_and_skip: Callable[
-        [list[WholeBucket], Tensor | None, Tensor | None], tuple[Tensor | None, Tensor]
-    ]
-    _update_buckets: Callable[[list[WholeBucket], Tensor | None, Tensor | None], None]
-    _takes_fused_path: Callable[[dict[str, Any], list[Entry]], bool]
-    _step_group_fused_path: Callable[[dict[str, Any], list[Entry], Tensor, Tensor | None], None]
+    _whole_buckets: WholeBucketPath
+    _fused_path: FusedPath
     _state_keys: Callable[[dict[str, Any]], list[str]]
     _init_state: Callable[[Tensor, dict[str, Any], dict[str, Any]], None]
     _update: Callable[..., None]
+
+    def _take_whole_buckets(
+        self, params: list[list[Tensor]] | None = None
+    ) -> tuple[list[WholeBucket], int | None]:
+        """The whole buckets this step takes, and the gradients it leaves (``WholeBucketPath``)."""
+        return self._whole_buckets.take(params, self.max_grad_norm)
 
     def _scaling(
         self,
@@ -130,12 +133,12 @@ class ReferenceSteps:
             factors, skip = self._factors_and_skip(entries, grad_scale, found_inf)
             skips.append(skip)
         if buckets:
-            unscale, skip = self._bucket_factors_and_skip(buckets, grad_scale, found_inf)
+            unscale, skip = self._whole_buckets.factors_and_skip(buckets, grad_scale, found_inf)
             skips.append(skip)
         skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
         bucket_groups = set().union(*(bucket.groups for bucket in buckets))
-        fused = all(self._takes_fused_path(group, entries) for group, entries in steps) and all(
-            self._takes_fused_path(self.param_groups[index], []) for index in bucket_groups
+        fused = all(self._fused_path.takes(group, entries) for group, entries in steps) and all(
+            self._fused_path.takes(self.param_groups[index], []) for index in bucket_groups
         )
         on_device = fused and not on_host and not _packing.budget(skip.device).on_host
         return Scaling(factors, unscale, skip, fused, on_device)
@@ -145,14 +148,14 @@ class ReferenceSteps:
         buckets, steps = collected
         device_skip = scaling.skip if scaling.on_device else None
         if buckets:
-            self._update_buckets(buckets, scaling.bucket_unscale, device_skip)
+            self._whole_buckets.update(buckets, scaling.bucket_unscale, device_skip)
         start = 0
         for group, group_entries in steps:
             assert scaling.factors is not None
             group_factors = scaling.factors[start : start + len(group_entries)]
             start += len(group_entries)
             if scaling.fused:
-                self._step_group_fused_path(group, group_entries, group_factors, device_skip)
+                self._fused_path.step_group(group, group_entries, group_factors, device_skip)
             else:
                 self._step_group(group, group_entries, group_factors)
         if scaling.on_device:

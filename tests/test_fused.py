@@ -439,7 +439,7 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
         group = twins.opt.param_groups[0]
         entries = twins.opt._entries(group["params"])
         factors, _ = twins.opt._factors_and_skip(entries, None, None)
-        twins.opt._step_group_fused_path(group, entries, factors, torch.tensor(skip))
+        twins.opt._fused_path.step_group(group, entries, factors, torch.tensor(skip))
         if skip:
             for p, before in zip(twins.params, weights, strict=True):
                 assert torch.equal(p.detach(), before)
