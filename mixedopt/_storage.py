@@ -309,6 +309,7 @@ class GradientStorage(BucketStores, StorageScales):
         """
         if (
             self.working
+            or self._backward_under_way()
             or torch._C._len_torch_dispatch_stack()
             or threading.current_thread() is not threading.main_thread()
         ):
@@ -317,11 +318,18 @@ class GradientStorage(BucketStores, StorageScales):
         self._release_now(holder)
 
     def release_waiting(self) -> None:
-        """Run the releases that waited, unless inside a trace (they wait on)."""
-        if self.working or torch._C._len_torch_dispatch_stack():
+        """Run the releases that waited, unless inside a trace or a backward (they wait on)."""
+        if self.working or self._backward_under_way() or torch._C._len_torch_dispatch_stack():
             return
         while self.waiting_releases:
             self._release_now(self.waiting_releases.popleft())
+
+    def _backward_under_way(self) -> bool:
+        """Whether a backward has gradients waiting for its end in a bucket.
+
+        A release there would store them early, in other buckets than the backward alone makes.
+        """
+        return any(bucket.task is not None for bucket in self._buckets.values())
 
     def _release_now(self, holder: set[int]) -> None:
         self.flush()
