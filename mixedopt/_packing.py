@@ -213,7 +213,7 @@ def dense_order(t: Tensor) -> tuple[int, ...] | None:
 def dense(tensors: Sequence[Tensor]) -> bool:
     """Whether every tensor of ``tensors`` is dense: contiguous in some order of its dimensions.
 
-    Torch's fused kernels need it (``_reference_step.ReferenceSteps._takes_torch_fused``).
+    Torch's fused kernels need it (``_choice.implementation``).
     """
     return all(map(Tensor.is_contiguous, tensors)) or all(
         dense_order(t) is not None for t in tensors
