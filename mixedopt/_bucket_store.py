@@ -1,7 +1,7 @@
 """Bucketing: the small gradients of a backward stored together, in a fixed number of operations.
 
-``BucketStores`` (mixed into ``_storage.GradientStorage``) stores a bucket into one 16-bit buffer
-of which each ``p.grad`` is a view, keeps each bucket's plan of rows and views, and finds the
+``BucketStore``, a component of ``_storage.GradientStorage``, stores a bucket into one 16-bit
+buffer of which each ``p.grad`` is a view, keeps each bucket's plan of rows and views, and finds the
 stored buckets again for ``step()`` (``whole_buckets``, ``stored_bucket``). See docs/design.md,
 "Buckets".
 """
@@ -12,7 +12,6 @@ import itertools
 import math
 import operator
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,8 +19,8 @@ from torch import Tensor
 
 from . import _packing
 from ._packing import ROW, LayoutCache, RowLayout, StoredRows, ViewRuns
+from ._scales import StorageScales
 from ._slots import Bucket, Slot
-from ._storage_work import deferring_releases
 
 # Attributes of slots, parameters and gradients, read in C by ``map`` over many of them (a
 # Python loop per parameter costs more than the reads themselves).
@@ -139,32 +138,43 @@ class GroupIndex:
         return indices
 
 
-class BucketStores:
-    """Stores the buckets of a backward and finds them again for ``step()``; see the module."""
+class BucketStore:
+    """Stores the buckets of a backward and finds them again for ``step()``; see the module.
 
-    # What the storage it is mixed into provides (``_storage.GradientStorage``, whose
-    # ``__init__`` says what each attribute holds, and ``_scales.StorageScales``).
-    grad_dtype: torch.dtype
-    _staging: dict[torch.device, Tensor]
-    _staging_generation: int
-    _staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]]
-    _layouts: LayoutCache
-    _plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan]
-    _stored: dict[int, StoredBucket]
-    _consumed: int
-    _hand_over: Callable[[list[Slot]], None]
-    _inverse_scales: Callable[[list[Slot], list[Tensor]], list[Tensor]]
-    _storage_scales: Callable[..., Tensor]
+    A component of ``_storage.GradientStorage``, which owns one per storage and hands it the
+    waiting buckets.
+    """
 
-    @deferring_releases
-    @torch.no_grad()
-    def _store_bucket(self, bucket: Bucket) -> None:
-        """Store a bucket's gradients: a fixed number of operations for all of them."""
-        if not bucket.slots:
-            return
+    def __init__(self, grad_dtype: torch.dtype, scales: StorageScales) -> None:
+        self.grad_dtype = grad_dtype
+        self._scales = scales
+        # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
+        self._staging: dict[torch.device, Tensor] = {}
+        self._staging_generation = 0  # advances when a staging buffer is replaced
+        # Per device: the layout last written into the staging buffer, and its rows (no layout:
+        # the buffer was used as scratch, ``scratch``).
+        self._staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]] = {}
+        self._layouts = LayoutCache()
+        self._plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan] = {}
+        # id(stats) -> the buckets stored, while their gradients live.
+        self._stored: dict[int, StoredBucket] = {}
+
+    def clear(self) -> None:
+        """Give the buffers back (the storage manages no parameter any more)."""
+        self._staging.clear()
+        self._plans.clear()
+        self._stored.clear()
+        self._staging_rows.clear()
+
+    def store(self, bucket: Bucket) -> list[Slot]:
+        """Store a bucket's gradients: a fixed number of operations for all of them.
+
+        Returns the slots stored (none where every waiting gradient was cleared). Runs under
+        ``torch.no_grad()`` (the storage's ``_store_bucket``).
+        """
         slots, grads, previous = bucket.take_waiting()
         if not slots:
-            return
+            return slots
         device = bucket.device
         plan = self._plan(slots, device)
         layout = plan.layout
@@ -178,7 +188,7 @@ class BucketStores:
         if previous:
             added = list(previous)
             earlier = list(previous.values())
-            inverse = self._inverse_scales([slots[i] for i in added], earlier)
+            inverse = self._scales.inverse([slots[i] for i in added], earlier)
             torch._foreach_addcmul_([views[i] for i in added], earlier, inverse)
         # Largest magnitude per tensor (NaN and inf propagate), then the scales.
         on_host = _packing.budget(device).on_host
@@ -189,7 +199,7 @@ class BucketStores:
         else:
             row_max = torch.linalg.vector_norm(rows, math.inf, dim=1)  # one launch
         amax = layout.per_tensor_max(row_max)
-        scales = self._storage_scales(amax)
+        scales = self._scales.for_magnitudes(amax)
         if on_host:
             # Scale in float32 in place (the staging rows are not needed after), then round to
             # grad_dtype into a new buffer of rows: two vectorised passes, faster on a CPU than
@@ -211,8 +221,7 @@ class BucketStores:
             slot.grad_ref = reference(grad)
             slot.grad_version, slot.stats, slot.row = version, stats, row
             slot.pending = False
-        if self._consumed:
-            self._hand_over(slots)
+        return slots
 
     def _remember(self, stats: Tensor, stored: Tensor, plan: BucketPlan, slots: list[Slot]) -> None:
         """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
@@ -308,7 +317,7 @@ class BucketStores:
             last = self._staging_rows[device] = (layout, rows)
         return staging, last[1]
 
-    def _scratch(self, device: torch.device, elements: int) -> Tensor:
+    def scratch(self, device: torch.device, elements: int) -> Tensor:
         """The staging buffer of ``device``, at least ``elements`` long, as scratch space.
 
         The next bucket stored finds it of no layout, and zeroes it first.

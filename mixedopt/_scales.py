@@ -1,8 +1,8 @@
 """Storage scales: the power of two a float16 gradient is stored with, applied and read back.
 
 Pure functions (``power_of_two_scale``, ``abs_max``, with ``_on_host`` twins) and
-``StorageScales`` (mixed into ``_storage.GradientStorage``): a gradient stored on its own, and
-the reads that undo its scale (``stats_of``, ``stats_table``, ``scale_of``, ``true_grad``).
+``StorageScales``, a component of ``_storage.GradientStorage``: the scales of a ``grad_dtype``,
+a gradient stored on its own, and the stats tables that undo the scales (``stats_table``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from torch import Tensor
 from . import _packing
 from ._packing import IndexCache, dense_order, flat_view
 from ._slots import Slot
-from ._storage_work import deferring_releases
 
 # The stored tensor's largest magnitude lands in [2**(E-1), 2**E): 256x headroom below float16's
 # largest value, and 2**-22 of it still a normal float16 number.
@@ -108,18 +107,17 @@ def any_non_finite(bounds: Tensor) -> Tensor:
 
 
 class StorageScales:
-    """The scale of one gradient at a time: stored alone, and read back; see the module."""
+    """The storage scales of one ``grad_dtype``: found, applied, and read back as stats tables.
 
-    # What the storage it is mixed into provides (``_storage.GradientStorage``, whose
-    # ``__init__`` says what each attribute holds, and ``_bucket_store.BucketStores``).
-    grad_dtype: torch.dtype
-    _slots: dict[int, Slot]
-    _unit_stats: dict[torch.device, Tensor]
-    _indices: IndexCache
-    flush: Callable[[], None]
-    _scratch: Callable[[torch.device, int], Tensor]
+    A component of ``_storage.GradientStorage``, which owns one per storage.
+    """
 
-    def _inverse_scales(self, slots: list[Slot], grads: list[Tensor]) -> list[Tensor]:
+    def __init__(self, grad_dtype: torch.dtype) -> None:
+        self.grad_dtype = grad_dtype
+        self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
+        self._indices = IndexCache()  # stats_table's index tensors
+
+    def inverse(self, slots: list[Slot], grads: list[Tensor]) -> list[Tensor]:
         """1 / storage scale of each gradient (1 where it holds true values), 0-dim each."""
         device = grads[0].device
         stats, rows = self.stats_table(
@@ -131,7 +129,7 @@ class StorageScales:
         )
         return list(stats[:, 0].reciprocal().unbind())
 
-    def _storage_scales(self, amax: Tensor, out: Tensor | None = None) -> Tensor:
+    def for_magnitudes(self, amax: Tensor, out: Tensor | None = None) -> Tensor:
         """The storage scale of each gradient of largest magnitude ``amax`` (into ``out``).
 
         float16 needs one (its range is narrow); bfloat16 has float32's range, so it stores true
@@ -141,17 +139,25 @@ class StorageScales:
             return power_of_two_scale(amax, out=out)
         return torch.ones_like(amax) if out is None else out.fill_(1.0)
 
-    def _storage_scale_on_host(self, amax: float) -> float:
-        """``_storage_scales`` of one largest magnitude read on the host."""
+    def for_magnitude_on_host(self, amax: float) -> float:
+        """``for_magnitudes`` of one largest magnitude read on the host."""
         return power_of_two_scale_on_host(amax) if self.grad_dtype == torch.float16 else 1.0
 
-    @deferring_releases
-    @torch.no_grad()
-    def _store_alone(self, slot: Slot, incoming: Tensor, previous: Tensor | None) -> None:
-        """Store one gradient (added to ``previous``) with its own operations."""
+    def store_alone(
+        self,
+        slot: Slot,
+        incoming: Tensor,
+        previous: Tensor | None,
+        scratch: Callable[[torch.device, int], Tensor],
+    ) -> None:
+        """Store one gradient (added to ``previous``) with its own operations.
+
+        ``scratch(device, elements)`` lends a float32 buffer (the bucket store's staging). Runs
+        under ``torch.no_grad()`` (the storage's ``_store_alone``).
+        """
         true = incoming.float()
         if previous is not None:
-            (inverse,) = self._inverse_scales([slot], [previous])
+            (inverse,) = self.inverse([slot], [previous])
             true = torch.addcmul(true, previous, inverse)
         param = slot.param
         stored = torch.empty_strided(
@@ -161,9 +167,9 @@ class StorageScales:
             # Reading a value costs nothing on a CPU: the scale is found on the host, and the
             # gradient scaled in pieces through the staging buffer where that is faster.
             amax = abs_max_on_host(true)
-            scale = self._storage_scale_on_host(amax)
+            scale = self.for_magnitude_on_host(amax)
             stats = torch.tensor([[scale, amax]], dtype=torch.float32)
-            self._scale_into(stored, true, scale)
+            _scale_into(stored, true, scale, scratch)
         else:
             # Four launches, each writing where the next reads: the largest magnitude into the
             # stats row, the scale beside it (``power_of_two_scale``'s two), the scaled rounding.
@@ -172,38 +178,9 @@ class StorageScales:
                 torch.linalg.vector_norm(true, math.inf, out=stats[0, 1])
             else:  # no largest magnitude (the inf-norm refuses): 0, as ``abs_max`` gives
                 stats[0, 1].zero_()
-            self._storage_scales(stats[0, 1], out=stats[0, 0])
+            self.for_magnitudes(stats[0, 1], out=stats[0, 0])
             torch.mul(true, stats[0, 0], out=stored)
         slot.record(stored, stats, 0, stored._version)
-        if slot.consumer is not None:
-            slot.consumer([param])
-
-    def _scale_into(self, stored: Tensor, true: Tensor, scale: float) -> None:
-        """``stored = true * scale`` on a CPU, in float32, rounded to ``stored``'s dtype.
-
-        On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
-        whole gradient first. For a gradient of up to ``SCRATCH_PIECE`` elements that temporary
-        is small and comes back warm from the allocator, and one multiplication is the fastest
-        (docs/performance.md). A larger
-        one's temporary is fresh memory, whose pages the system maps at the first write: there a
-        dense gradient is scaled in pieces through the staging buffer instead (which the next
-        bucket zeroes again), each piece a vectorised multiplication and a rounding copy, small
-        enough to stay in a core's cache between the two. Both round the same float32 products.
-        """
-        size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
-        numel = true.numel()
-        order = dense_order(stored) if numel > size else None
-        flat_stored = None if order is None else flat_view(stored, order)
-        flat_true = None if order is None else flat_view(true, order)
-        if flat_stored is None or flat_true is None:
-            torch.mul(true, scale, out=stored)  # one pass
-            return
-        scratch = self._scratch(true.device, size)
-        for start in range(0, numel, size):
-            piece = flat_true[start : start + size]
-            part = scratch[: piece.numel()]
-            torch.mul(piece, scale, out=part)
-            flat_stored[start : start + size].copy_(part)
 
     def stats_table(
         self, found: list[tuple[Tensor | None, int]], device: torch.device
@@ -232,35 +209,32 @@ class StorageScales:
         positions = self._indices.get(index, device)
         return torch.cat(parts).index_select(0, positions), index
 
-    # ------------------------------------------------------------------ for step()
 
-    def stats_of(self, param: Tensor) -> tuple[Tensor | None, int, bool]:
-        """Where ``param.grad``'s storage scale and bound are, and whether the bound holds.
+def _scale_into(
+    stored: Tensor, true: Tensor, scale: float, scratch: Callable[[torch.device, int], Tensor]
+) -> None:
+    """``stored = true * scale`` on a CPU, in float32, rounded to ``stored``'s dtype.
 
-        ``(stats, row, current)``: row ``row`` of ``stats`` is ``[storage scale, bound on |true
-        gradient|]`` (``stats_table`` gathers such rows). ``stats`` is ``None`` where
-        ``param.grad`` holds true values (assigned by hand, or not stored by this storage). The
-        bound was measured when the gradient was stored (inf or NaN there makes it inf or NaN);
-        it no longer holds once ``p.grad`` was changed in place.
-        """
-        slot = self._slots.get(id(param))
-        grad = param.grad
-        if slot is None or not slot.owns(grad):
-            return None, 0, False
-        assert grad is not None
-        return slot.stats, slot.row, grad._version == slot.grad_version
-
-    def scale_of(self, param: Tensor) -> Tensor | None:
-        """The storage scale of ``param.grad`` (``None`` where it holds true values)."""
-        stats, row, _ = self.stats_of(param)
-        return None if stats is None else stats[row, 0]
-
-    def true_grad(self, param: Tensor) -> Tensor | None:
-        """The true gradient of ``param`` as a new float32 tensor (``None`` where it has none)."""
-        self.flush()
-        grad = param.grad
-        if grad is None:
-            return None
-        scale = self.scale_of(param)
-        true = grad.to(torch.float32, copy=True)
-        return true if scale is None else true.div_(scale)
+    On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
+    whole gradient first. For a gradient of up to ``SCRATCH_PIECE`` elements that temporary is
+    small and comes back warm from the allocator, and one multiplication is the fastest
+    (docs/performance.md). A larger one's temporary is fresh memory, whose pages the system maps
+    at the first write: there a dense gradient is scaled in pieces through ``scratch`` instead
+    (the staging buffer, which the next bucket zeroes again), each piece a vectorised
+    multiplication and a rounding copy, small enough to stay in a core's cache between the two.
+    Both round the same float32 products.
+    """
+    size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
+    numel = true.numel()
+    order = dense_order(stored) if numel > size else None
+    flat_stored = None if order is None else flat_view(stored, order)
+    flat_true = None if order is None else flat_view(true, order)
+    if flat_stored is None or flat_true is None:
+        torch.mul(true, scale, out=stored)  # one pass
+        return
+    space = scratch(true.device, size)
+    for start in range(0, numel, size):
+        piece = flat_true[start : start + size]
+        part = space[: piece.numel()]
+        torch.mul(piece, scale, out=part)
+        flat_stored[start : start + size].copy_(part)

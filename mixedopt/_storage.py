@@ -20,10 +20,10 @@ from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _packing
-from ._bucket_store import BucketPlan, BucketStores, StoredBucket
+from ._bucket_store import BucketStore, GroupIndex, WholeBucket
 from ._distributed import ddp_managed, process_group_exists
 from ._eager import run_eagerly
-from ._packing import ROW, IndexCache, LayoutCache, RowLayout, rows_for
+from ._packing import ROW, StoredRows, rows_for
 from ._scales import StorageScales
 from ._slots import Bucket, Consumer, Slot
 from ._storage_work import deferring_releases
@@ -39,7 +39,7 @@ _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _shared: dict[torch.dtype, GradientStorage] = {}
 
 
-class GradientStorage(BucketStores, StorageScales):
+class GradientStorage:
     """Keeps the ``.grad`` of the parameters it manages in ``grad_dtype`` with a storage scale.
 
     The gradient storage belongs to the parameters, not to an optimizer: one storage per
@@ -47,6 +47,10 @@ class GradientStorage(BucketStores, StorageScales):
     parameter holds it through a *holder*, the set of parameter ids it installed.
     ``release(holder)`` lets go of them; a parameter no optimizer holds any more loses its hook
     and gets its true float32 gradient back. The storage references no optimizer.
+
+    It keeps a slot per parameter and the buckets waiting to be stored; its components store
+    them (``_bucket_store.BucketStore``) and find and undo the storage scales
+    (``_scales.StorageScales``).
     """
 
     @staticmethod
@@ -62,19 +66,9 @@ class GradientStorage(BucketStores, StorageScales):
         self._slots: dict[int, Slot] = {}
         self._unchecked: list[Slot] = []  # not looked up yet for a distributed engine
         self._engines_looked_up_in = -2  # the backward (graph task) that last looked them up
-        self._buckets: dict[torch.device, Bucket] = {}
-        # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
-        self._staging: dict[torch.device, Tensor] = {}
-        self._staging_generation = 0  # advances when a staging buffer is replaced
-        # Per device: the layout last written into the staging buffer, and its rows (no layout:
-        # the buffer was used as scratch, ``_scratch``).
-        self._staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]] = {}
-        self._layouts = LayoutCache()
-        self._plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan] = {}
-        # id(stats) -> the buckets stored, while their gradients live.
-        self._stored: dict[int, StoredBucket] = {}
-        self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
-        self._indices = IndexCache()  # stats_table's index tensors
+        self._buckets: dict[torch.device, Bucket] = {}  # the bucket filling, per device
+        self._scales = StorageScales(grad_dtype)
+        self._bucket_store = BucketStore(grad_dtype, self._scales)
         self._consumed = 0  # slots with a consumer
         self.working = 0  # storage methods running (``deferring_releases``)
         # Releases that came where they could not run: during storage work, from a finalizer
@@ -243,6 +237,24 @@ class GradientStorage(BucketStores, StorageScales):
         param.grad = incoming  # true values until stored, as torch.optim would have them
         return (None,)  # taken: autograd stores nothing
 
+    @deferring_releases  # a finalizer may run in the middle of it
+    @torch.no_grad()
+    def _store_bucket(self, bucket: Bucket) -> None:
+        """Store what waits in ``bucket``, and hand it to the consumers (``set_consumer``)."""
+        if not bucket.slots:
+            return
+        slots = self._bucket_store.store(bucket)
+        if slots and self._consumed:
+            self._hand_over(slots)
+
+    @deferring_releases
+    @torch.no_grad()
+    def _store_alone(self, slot: Slot, incoming: Tensor, previous: Tensor | None) -> None:
+        """Store one gradient (added to ``previous``) on its own, and hand it to its consumer."""
+        self._scales.store_alone(slot, incoming, previous, self._bucket_store.scratch)
+        if slot.consumer is not None:
+            slot.consumer([slot.param])
+
     @deferring_releases
     def flush(self) -> None:
         """Store every gradient still waiting in a bucket."""
@@ -342,10 +354,7 @@ class GradientStorage(BucketStores, StorageScales):
                 self._uninstall(slot)
         holder.clear()
         if not self._slots:  # nothing left to store: give the buffers back
-            self._staging.clear()
-            self._plans.clear()
-            self._stored.clear()
-            self._staging_rows.clear()
+            self._bucket_store.clear()
             self._buckets.clear()
 
     def _uninstall(self, slot: Slot) -> None:
@@ -361,3 +370,59 @@ class GradientStorage(BucketStores, StorageScales):
         del self._slots[id(param)]
         if _managed.get(param) is self:
             del _managed[param]
+
+    # ------------------------------------------------------------------ for step()
+
+    def stats_of(self, param: Tensor) -> tuple[Tensor | None, int, bool]:
+        """Where ``param.grad``'s storage scale and bound are, and whether the bound holds.
+
+        ``(stats, row, current)``: row ``row`` of ``stats`` is ``[storage scale, bound on |true
+        gradient|]`` (``stats_table`` gathers such rows). ``stats`` is ``None`` where
+        ``param.grad`` holds true values (assigned by hand, or not stored by this storage). The
+        bound was measured when the gradient was stored (inf or NaN there makes it inf or NaN);
+        it no longer holds once ``p.grad`` was changed in place.
+        """
+        slot = self._slots.get(id(param))
+        grad = param.grad
+        if slot is None or not slot.owns(grad):
+            return None, 0, False
+        assert grad is not None
+        return slot.stats, slot.row, grad._version == slot.grad_version
+
+    def stats_table(
+        self, found: list[tuple[Tensor | None, int]], device: torch.device
+    ) -> tuple[Tensor, list[int]]:
+        """Rows ``[storage scale, |true gradient| bound]``, one per ``(stats, row)`` of ``found``.
+
+        ``found`` holds what ``stats_of`` gives; see ``_scales.StorageScales.stats_table``.
+        """
+        return self._scales.stats_table(found, device)
+
+    def scale_of(self, param: Tensor) -> Tensor | None:
+        """The storage scale of ``param.grad`` (``None`` where it holds true values)."""
+        stats, row, _ = self.stats_of(param)
+        return None if stats is None else stats[row, 0]
+
+    def true_grad(self, param: Tensor) -> Tensor | None:
+        """The true gradient of ``param`` as a new float32 tensor (``None`` where it has none)."""
+        self.flush()
+        grad = param.grad
+        if grad is None:
+            return None
+        scale = self.scale_of(param)
+        true = grad.to(torch.float32, copy=True)
+        return true if scale is None else true.div_(scale)
+
+    def stored_bucket(self, stats: Tensor) -> StoredRows | None:
+        """The 16-bit rows of the bucket whose stats table is ``stats``, or ``None``.
+
+        See ``_bucket_store.BucketStore.stored_bucket``.
+        """
+        return self._bucket_store.stored_bucket(stats)
+
+    def whole_buckets(self, groups: GroupIndex) -> tuple[list[WholeBucket], int]:
+        """The stored buckets all of whose gradients ``groups`` hold, and how many they leave.
+
+        See ``_bucket_store.BucketStore.whole_buckets``.
+        """
+        return self._bucket_store.whole_buckets(groups)
