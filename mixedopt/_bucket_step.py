@@ -150,8 +150,9 @@ class WholeBucketPath:
             stats = chosen[0].stats
             if len(chosen) > 1:
                 stats = torch.cat([bucket.stats.to(device) for bucket in chosen])
-            # A bfloat16 bucket holds true values (storage scale 1, ``_storage_scales``): with
-            # no loss scale either, there is nothing to multiply by.
+            # A bfloat16 bucket holds true values (storage scale 1, see
+            # ``StorageScales.for_magnitudes``): with no loss scale either, there is nothing to
+            # multiply by.
             factors, divisors = None, None
             if unscale is not None:
                 factors = unscale.to(device) / stats[:, 0].to(device)

@@ -3,8 +3,8 @@
 Construction and the checks of parameters and groups, copying and pickling, the public extras
 (``remove_grad_storage``, ``true_grad``, ``step_in_backward``, ``skipped_steps``), ``step()``, and
 the rules an optimizer file implements (``_state_keys``, ``_init_state``, ``_update``, the
-compiled kernel). Its base, ``ReferenceSteps``, is the step's reference path; the whole-bucket
-path and ``fused=True`` are components it owns. See docs/design.md, "The step".
+compiled kernel). The stages of its step are a component it owns (``_stages.StepStages``).
+See docs/design.md, "The step".
 """
 
 from __future__ import annotations
@@ -18,21 +18,20 @@ import torch
 from torch import Tensor
 from torch.optim.optimizer import _device_dtype_check_for_fused
 
-from ._bucket_step import WholeBucketPath
 from ._choice import Implementation, fused_requested, implementation
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
-from ._fused_step import FusedPath
 from ._in_backward import InBackwardState, UpdatingBackward, grad_scaler_error
 from ._packing import Workspace
-from ._reference_step import ReferenceSteps, user_stacklevel
+from ._reference_step import user_stacklevel
 from ._rules import UpdateRules
+from ._stages import StepStages
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 
 
-class MixedPrecisionOptimizer(ReferenceSteps, torch.optim.Optimizer):
+class MixedPrecisionOptimizer(torch.optim.Optimizer):
     """Float32 master weights and state, 16-bit gradients; mixed into a ``torch.optim`` class.
 
     At construction every parameter (it must be float32) gets what makes its ``.grad`` land in
@@ -106,11 +105,10 @@ class MixedPrecisionOptimizer(ReferenceSteps, torch.optim.Optimizer):
         self._skipped_on_device: Tensor | None = None  # fused steps on an accelerator
         self._workspace = Workspace()  # buffers gradients are upcast and parameters packed into
         self._grad_storage = GradientStorage.shared(grad_dtype)
-        # The components of the step see the optimizer through a weak proxy: no reference
-        # cycle, so that a dropped optimizer lets go of its parameters at once.
+        # The stages of the step see the optimizer through a weak proxy: no reference cycle,
+        # so that a dropped optimizer lets go of its parameters at once.
         rules = cast(UpdateRules, weakref.proxy(self))
-        self._whole_buckets = WholeBucketPath(rules, self._grad_storage, self._workspace)
-        self._fused_path = FusedPath(rules, self._workspace, self._grad_storage.stored_bucket)
+        self._stages = StepStages(rules, self._grad_storage, self._workspace, type(self).__name__)
         self._held_params: set[int] = set()  # ids of the parameters this optimizer holds
         self._fused_devices_checked: set[int] = set()  # ids of the fused groups checked
         # The storage does not reference the optimizer: its parameters are let go when it dies.
@@ -263,8 +261,14 @@ class MixedPrecisionOptimizer(ReferenceSteps, torch.optim.Optimizer):
         ``by_group`` has a list per param group of parameters whose gradients backward has just
         stored. Returns False, having updated nothing, where a gradient is inf or NaN.
         """
-        collected = self._collect(by_group)  # as step() takes them
-        return not collected or self._step_entries(collected, None, None, on_host=True)
+        collected = self._stages.collect(by_group, self.max_grad_norm)  # as step() takes them
+        if not collected:
+            return True
+        scaling = self._stages.scaling(collected, None, None, self.max_grad_norm, on_host=True)
+        if scaling.read_skip():
+            return False
+        self._stages.update(collected, scaling)
+        return True
 
     # ------------------------------------------------------------------ step
 
@@ -299,16 +303,27 @@ class MixedPrecisionOptimizer(ReferenceSteps, torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         self._check_before_step(found_inf)
         # 1. What a step updates: the whole buckets, and the other gradients as entries.
-        collected = self._collect()
+        stages = self._stages
+        collected = stages.collect(None, self.max_grad_norm)
         if not collected:
             return loss
         if not self._warned_changed_in_place and self.grad_dtype == torch.float16:
-            self._warn_if_changed_in_place([e for _, entries in collected.steps for e in entries])
+            self._warned_changed_in_place = stages.reference.warn_if_changed_in_place(
+                collected.entries()
+            )
         # 2. Each gradient's factor to its true value, and the skip on inf or NaN.
-        scaling = self._scaling(collected, grad_scale, found_inf)
+        scaling = stages.scaling(collected, grad_scale, found_inf, self.max_grad_norm)
+        if scaling.grad_norm is not None:
+            self.last_grad_norm = scaling.grad_norm
         if not scaling.read_skip():
             # 3. The update, batch by batch: whole buckets, then each group's entries.
-            self._update_collected(collected, scaling)
+            stages.update(collected, scaling)
+            if scaling.on_device:  # fused steps on an accelerator: counted on the device
+                if self._skipped_on_device is None:
+                    self._skipped_on_device = torch.zeros(
+                        (), dtype=torch.int64, device=scaling.skip.device
+                    )
+                self._skipped_on_device += scaling.skip
             return loss
 
         self._skipped_on_host += 1

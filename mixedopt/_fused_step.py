@@ -174,10 +174,13 @@ class FusedPath:
         rules: UpdateRules,
         workspace: Workspace,
         stored_bucket: StoredRowsLookup,
+        reference_update: Callable[[dict[str, Any], list[Entry], Tensor], None],
     ) -> None:
         self.rules = rules
         self.workspace = workspace
         self.stored_bucket = stored_bucket  # the storage's rows of a stored bucket
+        # The reference path's update of a group's entries, for what cannot be compiled.
+        self.reference_update = reference_update
 
     def takes(self, group: dict[str, Any], entries: list[Entry]) -> bool:
         """Whether this group steps with the compiled kernels now.
@@ -293,4 +296,4 @@ class FusedPath:
             torch._foreach_add_(advanced, [(~skip).float()] * len(advanced))
         if left and skip is None:  # no compiler: the rest takes the default path
             rest = factors[self.workspace.index(left, device)]
-            self.rules._step_group(group, [entries[i] for i in left], rest)
+            self.reference_update(group, [entries[i] for i in left], rest)

@@ -2,8 +2,8 @@
 
 An optimizer file (``rmsprop.py``, ``adam.py``, ...) says how its state is created and which
 functional update and compiled kernel it calls; ``MixedPrecisionOptimizer`` gives the defaults.
-The components of ``step()`` (``_bucket_step.WholeBucketPath``, ``_fused_step.FusedPath``) see
-their optimizer through this protocol only.
+The components of ``step()`` (``_stages.StepStages`` and the paths it holds) see their optimizer
+through this protocol only.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from torch import Tensor
-
-from ._packing import Entry
 
 
 class UpdateRules(Protocol):
@@ -27,6 +25,8 @@ class UpdateRules(Protocol):
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]: ...
 
+    def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None: ...
+
     def _update(
         self,
         group: dict[str, Any],
@@ -36,9 +36,6 @@ class UpdateRules(Protocol):
         steps: list[Tensor],
         found_inf: Tensor | None = None,
     ) -> None: ...
-
-    def _step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
-        """The reference path's update of a group's entries (``_reference_step.py``)."""
 
     def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]: ...
 

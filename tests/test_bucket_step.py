@@ -1,7 +1,7 @@
 """The whole-bucket step (``_bucket_step.py``) against the reference path it stands in for.
 
-The reference is the same optimizer with ``_take_whole_buckets`` returning nothing: every
-gradient then goes through ``_entries`` and ``_step_entries``. Results must be bitwise equal.
+The reference is the same optimizer with ``WholeBucketPath.take`` returning nothing: every
+gradient then goes through the reference path (``ReferencePath``). Results must be bitwise equal.
 """
 
 from __future__ import annotations
@@ -17,8 +17,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
 import mixedopt._packing
+from mixedopt._bucket_step import WholeBucketPath
 
-TAKE = mixedopt.MixedPrecisionOptimizer._take_whole_buckets
+TAKE = WholeBucketPath.take
+
+
+def whole_buckets_of(opt):
+    """The whole buckets the next step of ``opt`` would take."""
+    return opt._stages.whole_buckets.take(None, opt.max_grad_norm)[0]
 
 
 def backward(params, seed, scaler=None, magnitude=0.0):
@@ -43,13 +49,13 @@ def counted_whole_buckets(enabled):
     """Count the whole buckets steps take; ``enabled=False``: none (the reference path)."""
     taken = []
 
-    def counting(self, params=None):
-        found, left = TAKE(self, params) if enabled else ([], None)
+    def counting(self, params, max_grad_norm):
+        found, left = TAKE(self, params, max_grad_norm) if enabled else ([], None)
         taken.append(len(found))
         return found, left
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", counting)
+        patch.setattr(WholeBucketPath, "take", counting)
         yield taken
 
 
@@ -142,9 +148,9 @@ def test_an_inf_written_into_a_stored_bucket_skips_the_step_and_changes_nothing(
     weights = [p.detach().clone() for p in params]
     states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     backward(params, 1)
-    assert len(opt._take_whole_buckets()[0]) == 1
+    assert len(whole_buckets_of(opt)) == 1
     params[1].grad.view(-1)[0] = float("inf")  # in place: the storage's bound no longer holds
-    assert opt._take_whole_buckets()[0] == []  # so the reference path reads the gradient
+    assert whole_buckets_of(opt) == []  # so the reference path reads the gradient
     with pytest.warns(RuntimeWarning, match="inf or NaN"):
         opt.step()
     assert opt.skipped_steps == 1
@@ -162,7 +168,7 @@ def test_a_stored_inf_gradient_skips_the_whole_bucket_step():
     weights = [p.detach().clone() for p in params]
     buffers = [opt.state[p]["momentum_buffer"].clone() for p in params]
     backward(params, 1, magnitude=40.0)  # 1e40 overflows float32: inf as backward stores it
-    assert len(opt._take_whole_buckets()[0]) == 1
+    assert len(whole_buckets_of(opt)) == 1
     with pytest.warns(RuntimeWarning, match="inf or NaN"):
         opt.step()
     assert opt.skipped_steps == 1
@@ -192,7 +198,7 @@ def test_a_bfloat16_bucket_is_upcast_without_multiplying_by_its_storage_scales(g
     opt.step()  # the reference path: it creates the state
     opt.zero_grad()
     backward(params, 1)
-    assert len(opt._take_whole_buckets()[0]) == 1
+    assert len(whole_buckets_of(opt)) == 1
     with _Ops() as ops:
         opt.step()
     unscaling = [name for name in ops.names if name in ("aten.take.default", "aten.div_.Tensor")]
@@ -205,7 +211,7 @@ def test_a_bucket_shared_with_another_optimizer_takes_the_reference_path():
     first, second = mixedopt.Adam(params[0::2]), mixedopt.SGD(params[1::2], lr=0.1)
     for step in range(2):
         backward(params, step)
-        assert first._take_whole_buckets()[0] == second._take_whole_buckets()[0] == []
+        assert whole_buckets_of(first) == whole_buckets_of(second) == []
         first.step()
         second.step()
         first.zero_grad()
@@ -231,7 +237,7 @@ def test_max_grad_norm_takes_the_reference_path():
     opt = mixedopt.Adam(params, max_grad_norm=1.0)
     for step in range(2):
         backward(params, step)
-        assert opt._take_whole_buckets()[0] == []
+        assert whole_buckets_of(opt) == []
         opt.step()
         opt.zero_grad()
 

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import mixedopt
 import mixedopt._default_step
 import mixedopt._packing
+from mixedopt._bucket_step import WholeBucketPath
 
 
 @given(
@@ -251,9 +252,7 @@ def train_twice(name, kwargs, shapes, seed, steps, backwards):
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(mixedopt._default_step, "_whole_buckets", counting)
             # The whole-bucket step (tests/test_bucket_step.py) would take them first.
-            patch.setattr(
-                mixedopt.MixedPrecisionOptimizer, "_take_whole_buckets", lambda *_: ([], -1)
-            )
+            patch.setattr(WholeBucketPath, "take", lambda *_: ([], None))
             for step in range(steps):
                 for b in range(backwards):
                     backward(params, [float(step - b)] * len(params), seed + step + b)

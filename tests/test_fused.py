@@ -437,9 +437,10 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
             weights = [p.detach().clone() for p in twins.params]
             state = copy.deepcopy(twins.opt.state_dict()["state"])
         group = twins.opt.param_groups[0]
-        entries = twins.opt._entries(group["params"])
-        factors, _ = twins.opt._factors_and_skip(entries, None, None)
-        twins.opt._fused_path.step_group(group, entries, factors, torch.tensor(skip))
+        stages = twins.opt._stages
+        entries = stages.reference.entries(group["params"])
+        factors, _, _ = stages.reference.factors_and_skip(entries, None, None, None)
+        stages.fused.step_group(group, entries, factors, torch.tensor(skip))
         if skip:
             for p, before in zip(twins.params, weights, strict=True):
                 assert torch.equal(p.detach(), before)

@@ -120,3 +120,39 @@ def test_the_library_never_imports_the_benchmarks():
     ).stdout
     assert "mixedopt.bench" not in loaded
     assert "mixedopt._storage" in loaded  # what it does load is listed
+
+
+def library_classes() -> list[type]:
+    """The classes defined in the library's modules (the benchmarks left out)."""
+    import importlib
+    import inspect
+
+    found = []
+    for name in MODULES:
+        if name.startswith("mixedopt.bench") or name == "mixedopt.__main__":
+            continue
+        module = importlib.import_module(name)
+        found += [
+            cls for _, cls in inspect.getmembers(module, inspect.isclass) if cls.__module__ == name
+        ]
+    return found
+
+
+def test_the_library_is_components_not_mixins():
+    # Only the optimizer files derive from a library class: each from MixedPrecisionOptimizer
+    # (AdamW from mixedopt's Adam, as torch's AdamW from torch's Adam) and its torch.optim
+    # parent. Everything else is composed (an optimizer owns its step's
+    # stages, a storage its bucket store and scales), not mixed in.
+    derived = {
+        f"{cls.__module__}.{cls.__qualname__}": sorted(
+            base.__qualname__ for base in cls.__bases__ if base.__module__.startswith("mixedopt")
+        )
+        for cls in library_classes()
+    }
+    derived = {name: bases for name, bases in derived.items() if bases}
+    assert derived == {
+        "mixedopt.adam.Adam": ["MixedPrecisionOptimizer"],
+        "mixedopt.adamw.AdamW": ["Adam"],
+        "mixedopt.rmsprop.RMSprop": ["MixedPrecisionOptimizer"],
+        "mixedopt.sgd.SGD": ["MixedPrecisionOptimizer"],
+    }

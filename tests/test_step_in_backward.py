@@ -434,7 +434,8 @@ def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it(b
     other = nn.Parameter(torch.randn(10))
     doomed = [mixedopt.RMSprop([other], lr=1e-2)]
     doomed.append(doomed)  # a cycle: only the garbage collector frees it
-    original = pair.in_backward._step_entries
+    stages = pair.in_backward._stages
+    original = stages.update
 
     def collect_then_step(*args, **kwargs):
         if doomed:
@@ -442,7 +443,7 @@ def test_an_optimizer_collected_while_a_bucket_is_updated_is_released_after_it(b
             gc.collect()  # runs the dead optimizer's finalizer now
         return original(*args, **kwargs)
 
-    pair.in_backward._step_entries = collect_then_step
+    stages.update = collect_then_step
     finished = threading.Event()
 
     def iterate():
