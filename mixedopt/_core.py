@@ -318,12 +318,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         if not scaling.read_skip():
             # 3. The update, batch by batch: whole buckets, then each group's entries.
             stages.update(collected, scaling)
-            if scaling.on_device:  # fused steps on an accelerator: counted on the device
-                if self._skipped_on_device is None:
-                    self._skipped_on_device = torch.zeros(
-                        (), dtype=torch.int64, device=scaling.skip.device
-                    )
-                self._skipped_on_device += scaling.skip
+            if scaling.on_device:
+                self._count_skip_on_device(scaling.skip)
             return loss
 
         self._skipped_on_host += 1
@@ -335,6 +331,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
                 stacklevel=user_stacklevel(),
             )
         return loss
+
+    def _count_skip_on_device(self, skip: Tensor) -> None:
+        """Add a skip that fused steps on an accelerator decided on the device (no host read)."""
+        if self._skipped_on_device is None:
+            self._skipped_on_device = torch.zeros((), dtype=torch.int64, device=skip.device)
+        self._skipped_on_device += skip
 
     def _check_before_step(self, found_inf: Tensor | None) -> None:
         """What ``step()`` refuses or warns about before it collects anything."""
