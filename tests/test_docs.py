@@ -1,17 +1,19 @@
 """The documentation: the README, the site's pages and their examples, the docstrings, .ci/run.
 
-The examples themselves run through Sybil (conftest.py at the repository root); this file checks
-what makes them trustworthy: every Python block of README.md and docs/*.md is found and run, or
-marked as not run both for Sybil and for the reader; the README keeps its shape; CI runs the
-README's test command; every public class, function, method and property has a docstring whose
-``Args:`` section documents exactly its arguments, and the examples in those docstrings run; the
-API page covers every public name; the command lines it lists have the flags their parsers have.
-``mkdocs build --strict``, in the test command, checks the site's links and anchors.
+Every ```python block of README.md and docs/*.md runs here, through Sybil, the blocks of one file
+in order and in one namespace, as a reader would run them; a block that cannot run here (it needs
+a GPU, or a framework that is not a test dependency) follows a ``<!-- skip: next "why" -->``
+comment and a visible line saying it is not run by the tests. Around them, what makes them
+trustworthy: every block is found, and a block not run is marked so both for Sybil and for the
+reader; the README keeps its shape; CI runs the README's test command; every public class,
+function, method and property has a docstring whose ``Args:`` section documents exactly its
+arguments, and the examples in those docstrings run; the API page covers every public name; the
+command lines it lists have the flags their parsers have. ``mkdocs build --strict``, in the test
+command, checks the site's links and anchors.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import re
 import runpy
@@ -24,7 +26,9 @@ from typing import Any
 
 import pytest
 import torch
+from sybil import Document, Example, Sybil
 from sybil.evaluators.skip import Skipper
+from sybil.parsers.markdown import PythonCodeBlockParser, SkipParser
 
 import mixedopt
 from mixedopt._in_backward import UpdatingBackward
@@ -154,22 +158,41 @@ def python_blocks(path: Path) -> list[tuple[int, bool]]:
     return blocks
 
 
-def doc_examples() -> Any:
-    """The Sybil instance of conftest.py at the repository root."""
-    spec = importlib.util.spec_from_file_location("mixedopt_doc_examples", ROOT / "conftest.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DOC_EXAMPLES
+# Sybil's own pytest collector is not used: tests/conftest.py gives every collected item its
+# module's markers, and Sybil's items have no module. Each example is a parameter of one test.
+DOC_EXAMPLES = Sybil(
+    parsers=[PythonCodeBlockParser(), SkipParser()],
+    path=str(ROOT),
+    patterns=["README.md", "docs/*.md"],
+)
+_PARSED: dict[Path, Document] = {}
+
+
+def parsed(path: Path) -> Document:
+    """The Sybil document of ``path``, parsed once: its examples share its namespace."""
+    if path not in _PARSED:
+        _PARSED[path] = DOC_EXAMPLES.parse(path)
+    return _PARSED[path]
+
+
+def doc_examples() -> Iterator[Any]:
+    for path in DOCUMENTS:
+        for example in parsed(path).examples():
+            kind = "skip" if isinstance(example.region.evaluator, Skipper) else "example"
+            yield pytest.param(example, id=f"{path.name}:{example.line}:{kind}")
+
+
+@pytest.mark.parametrize("example", list(doc_examples()))
+def test_doc_example(example: Example):
+    """Run one block (or read one skip directive) of README.md or docs/*.md, in file order."""
+    example.evaluate()
 
 
 @pytest.mark.parametrize("path", DOCUMENTS, ids=lambda p: p.name)
-def test_sybil_runs_every_python_block(path):
+def test_sybil_finds_every_python_block(path):
     blocks = python_blocks(path)
-    sybil = doc_examples()
-    assert sybil.should_parse(path)
-    document = sybil.parse(path)
-    examples = list(document.examples())
+    assert DOC_EXAMPLES.should_parse(path)
+    examples = list(parsed(path).examples())
     code = [e.line for e in examples if not isinstance(e.region.evaluator, Skipper)]
     assert code == [number for number, _ in blocks]
     skips = [e.line for e in examples if isinstance(e.region.evaluator, Skipper)]
