@@ -82,15 +82,31 @@ def autocast(
 ) -> Iterator[None]:
     """``torch.autocast(device_type, dtype, enabled)`` that saves no cast weight for backward.
 
-    Use it for the forward, as ``torch.autocast``::
+    Use it for the forward, as ``torch.autocast``. Gradients are the same as under
+    ``torch.autocast``. Backward casts each weight again when it needs it; a weight changed in
+    place since the forward raises a ``RuntimeError``.
 
-        with mixedopt.autocast("cuda", dtype=torch.float16):
-            loss = loss_fn(model(x), y)
+    Args:
+        device_type: ``"cuda"``, ``"cpu"`` or another device type, as for ``torch.autocast``.
+        dtype: the low-precision dtype, ``torch.float16`` or ``torch.bfloat16``; ``None``
+            (default): ``torch.autocast``'s default for the device type.
+        enabled: ``False`` runs the region without autocast (default ``True``).
+
+    Yields:
+        Nothing; the forward runs inside the ``with`` block.
+
+    Example:
+        ```python
+        import torch
+        import mixedopt
+
+        model = torch.nn.Linear(8, 2)
+        optimizer = mixedopt.AdamW(model.parameters(), lr=1e-3)
+        with mixedopt.autocast("cpu", dtype=torch.bfloat16):  # in place of torch.autocast
+            loss = model(torch.randn(4, 8)).float().square().mean()
         with optimizer.step_in_backward():
             loss.backward()
-
-    Gradients are the same as under ``torch.autocast``. Backward casts each weight again when
-    it needs it; a weight changed in place since the forward raises a ``RuntimeError``.
+        ```
     """
     with (
         torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False),

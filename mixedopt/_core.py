@@ -42,10 +42,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     weights and state.
 
     Args:
+        params: the parameters to optimize, or dicts defining parameter groups, as for the
+            ``torch.optim`` class; every parameter must be float32.
+        *args: the ``torch.optim`` class's other positional arguments.
         grad_dtype: dtype of the stored gradients, ``torch.float16`` (default) or
             ``torch.bfloat16``.
         max_grad_norm: if set, ``step()`` clips the true gradients of all parameter groups to this
             global L2 norm, as ``torch.nn.utils.clip_grad_norm_`` would on float32 gradients.
+        **kwargs: the ``torch.optim`` class's other keyword arguments.
 
     Attributes:
         grad_dtype: dtype of the stored gradients.
@@ -147,6 +151,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ construction
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a parameter group, as the parent does, and store its gradients in ``grad_dtype``.
+
+        Args:
+            param_group: the group's parameters (``"params"``) and options, as for the parent;
+                its parameters are checked as at construction (float32, no ``capturable`` or
+                ``differentiable``), and a group that fails is not added.
+        """
         super().add_param_group(param_group)
         group = self.param_groups[-1]
         try:
@@ -211,7 +222,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         A parameter that another mixedopt optimizer also holds keeps its storage until that one
         lets go too. Also done when the optimizer is garbage collected (inside a trace, on a
         thread other than the main one or during the storage's work, at the next safe point:
-        see the README).
+        see "What ``p.grad`` holds" in the documentation).
         """
         self._in_backward.storage_removed = True
         if self._release_storage.detach() is not None:
@@ -220,25 +231,27 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def true_grad(self, param: Tensor) -> Tensor | None:
         """The gradient of ``param`` without the storage scale, as a new float32 tensor.
 
-        ``None`` where there is no gradient. It is the gradient of what was backpropagated: after
-        ``scaler.scale(loss).backward()`` it still holds GradScaler's loss scale.
+        It is the gradient of what was backpropagated: after ``scaler.scale(loss).backward()``
+        it still holds GradScaler's loss scale.
+
+        Args:
+            param: a parameter of this optimizer.
+
+        Returns:
+            The true gradient of ``param``, float32; ``None`` where there is no gradient.
         """
         return self._grad_storage.true_grad(param)
 
     def step_in_backward(self) -> UpdatingBackward:
         """A context in which ``backward()`` updates the weights as it produces the gradients.
 
-        ::
-
-            with optimizer.step_in_backward():
-                loss.backward()
-
-        does what ``loss.backward(); optimizer.step(); optimizer.zero_grad()`` does, with the
-        same weights and state, but the parameters are updated inside backward as soon as their
-        stored gradients reach ``_in_backward.UPDATE_BATCH`` elements (or backward ends), and
-        those gradients are freed then: the gradients of the whole model are never held. For
-        gradient accumulation, the earlier micro-batches run a plain ``loss.backward()`` (their
-        gradients are stored in 16 bits as usual) and the last one runs in this context.
+        ``with optimizer.step_in_backward(): loss.backward()`` does what ``loss.backward();
+        optimizer.step(); optimizer.zero_grad()`` does, with the same weights and state, but the
+        parameters are updated inside backward as soon as their stored gradients reach
+        ``_in_backward.UPDATE_BATCH`` elements (or backward ends), and those gradients are freed
+        then: the gradients of the whole model are never held. For gradient accumulation, the
+        earlier micro-batches run a plain ``loss.backward()`` (their gradients are stored in 16
+        bits as usual) and the last one runs in this context.
 
         When it ends it calls ``step()`` once: that updates the parameters that got no gradient
         in this backward but hold one from earlier micro-batches, runs the step hooks, and is
@@ -252,14 +265,34 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         gradient before the first update; GradScaler is caught at its ``step()``, after the
         backward), DistributedDataParallel and FSDP2 (they own the gradients), parameters
         another mixedopt optimizer holds, and ``remove_grad_storage()``.
+
+        Returns:
+            The context manager (an ``UpdatingBackward``); it may be entered again.
+
+        Example:
+            ```python
+            import torch
+            import mixedopt
+
+            model = torch.nn.Linear(8, 2)
+            optimizer = mixedopt.AdamW(model.parameters(), lr=1e-3)
+            loss = model(torch.randn(4, 8)).square().mean()
+            with optimizer.step_in_backward():
+                loss.backward()  # updates the weights and frees the gradients
+            assert model.weight.grad is None
+            ```
         """
         return UpdatingBackward(self, self._grad_storage, self._in_backward)
 
     def update_in_backward(self, by_group: list[list[Tensor]]) -> bool:
         """For ``step_in_backward()``: update ``by_group``'s parameters as ``step()`` would.
 
-        ``by_group`` has a list per param group of parameters whose gradients backward has just
-        stored. Returns False, having updated nothing, where a gradient is inf or NaN.
+        Args:
+            by_group: a list per param group of parameters whose gradients backward has just
+                stored.
+
+        Returns:
+            False, having updated nothing, where a gradient is inf or NaN; True otherwise.
         """
         collected = self._stages.collect(by_group, self.max_grad_norm)  # as step() takes them
         if not collected:
@@ -292,6 +325,13 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Unscales the stored gradients (storage scale, GradScaler's scale, ``max_grad_norm``
         clipping) and applies the parent's update in float32. The whole step is skipped, weights
         and state untouched, when GradScaler found an inf/NaN or when any gradient is non-finite.
+
+        Args:
+            closure: a function that reevaluates the model and returns the loss, as for the
+                parent (run with gradients enabled); optional.
+
+        Returns:
+            The closure's loss, or ``None`` without a closure.
         """
         loss = None
         if closure is not None:

@@ -71,7 +71,16 @@ def grad_scaler_error(optimizer: Any) -> RuntimeError:
 
 
 class UpdatingBackward:
-    """The context ``step_in_backward()`` returns: the backwards in it update the weights."""
+    """The context ``step_in_backward()`` returns: the backwards in it update the weights.
+
+    Made by ``MixedPrecisionOptimizer.step_in_backward()``, not by hand. Entering it checks what
+    the mode refuses (a ``RuntimeError`` that says why); leaving it calls ``step()`` once.
+
+    Args:
+        optimizer: the optimizer whose parameters the backwards update.
+        storage: the gradient storage that hands it the stored gradients.
+        state: the optimizer's side of the mode (whether it is on, backwards stopped by inf/NaN).
+    """
 
     def __init__(
         self, optimizer: UpdatesInBackward, storage: GradientStorage, state: InBackwardState
@@ -188,9 +197,13 @@ class UpdatingBackward:
     def consume(self, params: list[Tensor]) -> None:
         """Take ``params``, whose gradients backward has just stored, for an update.
 
-        They wait with those taken before until the next would take the waiting gradients past
-        ``UPDATE_BATCH`` elements, or until the backward under way ends (a callback queued on
-        the autograd engine); then the waiting parameters are updated and their gradients freed.
+        Called by the gradient storage while the context is entered. They wait with those taken
+        before until the next would take the waiting gradients past ``UPDATE_BATCH`` elements,
+        or until the backward under way ends (a callback queued on the autograd engine); then
+        the waiting parameters are updated and their gradients freed.
+
+        Args:
+            params: parameters of the optimizer whose gradients were just stored.
         """
         with self.lock:
             if self.stopped:

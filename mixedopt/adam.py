@@ -15,10 +15,38 @@ __all__ = ["Adam"]
 
 
 class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
-    """:class:`torch.optim.Adam` with float32 master weights and 16-bit gradients.
+    """``torch.optim.Adam`` with float32 master weights and 16-bit gradients.
 
-    Takes every argument of the parent, with the same defaults, plus the keyword-only
-    ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
+    Takes every argument of ``torch.optim.Adam``, positional and keyword, with the same defaults
+    and meaning, plus the keyword-only ``grad_dtype`` and ``max_grad_norm``.
+    The methods and attributes it adds to the parent's (``step()`` as described there,
+    ``true_grad()``, ``remove_grad_storage()``, ``step_in_backward()``, ``skipped_steps``,
+    ``last_grad_norm``, ``grad_dtype``, ``max_grad_norm``) are those of
+    [MixedPrecisionOptimizer][mixedopt.MixedPrecisionOptimizer].
+
+    Args:
+        params: the parameters to optimize, or dicts defining parameter groups, as for the
+            parent; every parameter must be float32 (anything else is a ``ValueError``).
+        lr: learning rate, a float or a one-element tensor (default ``1e-3``).
+        betas: coefficients of the running averages of the gradient and of its square
+            (default ``(0.9, 0.999)``).
+        eps: term added to the denominator (default ``1e-8``).
+        weight_decay: weight decay, L2 penalty (default ``0``).
+        amsgrad: use the AMSGrad variant (default ``False``).
+        foreach: ``True``: torch's foreach implementation; ``False``: its for-loop; ``None``
+            (default): torch's choice, and on a CPU also foreach for batches of small tensors.
+        maximize: maximize the objective instead of minimizing it (default ``False``).
+        capturable: must stay ``False``; ``True`` is refused with a ``ValueError``.
+        differentiable: must stay ``False``; ``True`` is refused with a ``ValueError``.
+        fused: ``True``: the compiled one-pass step (mixedopt's kernels, which read the 16-bit
+            gradients, for large parameters; torch's fused update for small ones); ``None``
+            (default): the default step.
+        decoupled_weight_decay: decay the weights as AdamW does (default ``False``).
+        grad_dtype: dtype of every ``.grad``, ``torch.float16`` (default) or ``torch.bfloat16``;
+            anything else is a ``ValueError``. New in mixedopt, keyword-only.
+        max_grad_norm: a positive float: ``step()`` clips the true gradients of all parameter
+            groups together to this L2 norm; ``None`` (default): no clipping. New in mixedopt,
+            keyword-only.
     """
 
     _compiled_kernel = staticmethod(adam_kernel)

@@ -15,11 +15,39 @@ __all__ = ["RMSprop"]
 
 
 class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
-    """:class:`torch.optim.RMSprop` with float32 master weights and 16-bit gradients.
+    """``torch.optim.RMSprop`` with float32 master weights and 16-bit gradients.
 
-    Takes every argument of the parent, with the same defaults, plus the keyword-only
-    ``grad_dtype``, ``max_grad_norm`` and ``fused`` (which ``torch.optim.RMSprop`` lacks): see
-    :class:`mixedopt.MixedPrecisionOptimizer`.
+    Takes every argument of ``torch.optim.RMSprop``, positional and keyword, with the same
+    defaults and meaning, plus the keyword-only ``grad_dtype``, ``max_grad_norm`` and ``fused``
+    (which ``torch.optim.RMSprop`` lacks).
+    The methods and attributes it adds to the parent's (``step()`` as described there,
+    ``true_grad()``, ``remove_grad_storage()``, ``step_in_backward()``, ``skipped_steps``,
+    ``last_grad_norm``, ``grad_dtype``, ``max_grad_norm``) are those of
+    [MixedPrecisionOptimizer][mixedopt.MixedPrecisionOptimizer].
+
+    Args:
+        params: the parameters to optimize, or dicts defining parameter groups, as for the
+            parent; every parameter must be float32 (anything else is a ``ValueError``).
+        lr: learning rate, a float or a one-element tensor (default ``1e-2``).
+        alpha: smoothing constant of the running average of the squared gradient
+            (default ``0.99``).
+        eps: term added to the denominator (default ``1e-8``).
+        weight_decay: weight decay, L2 penalty (default ``0``).
+        momentum: momentum factor (default ``0``).
+        centered: normalize by an estimate of the gradient's variance (default ``False``).
+        capturable: must stay ``False``; ``True`` is refused with a ``ValueError``.
+        foreach: ``True``: torch's foreach implementation; ``False``: its for-loop; ``None``
+            (default): torch's choice, and on a CPU also foreach for batches of small tensors.
+        maximize: maximize the objective instead of minimizing it (default ``False``).
+        differentiable: must stay ``False``; ``True`` is refused with a ``ValueError``.
+        fused: ``True``: mixedopt's compiled one-pass step, which reads the 16-bit gradients
+            directly; ``None`` (default): the default step. New in mixedopt (torch's RMSprop
+            has no fused step), keyword-only; with ``foreach=True`` a ``RuntimeError``.
+        grad_dtype: dtype of every ``.grad``, ``torch.float16`` (default) or ``torch.bfloat16``;
+            anything else is a ``ValueError``. New in mixedopt, keyword-only.
+        max_grad_norm: a positive float: ``step()`` clips the true gradients of all parameter
+            groups together to this L2 norm; ``None`` (default): no clipping. New in mixedopt,
+            keyword-only.
     """
 
     _compiled_kernel = staticmethod(rmsprop_kernel)

@@ -15,10 +15,35 @@ __all__ = ["SGD"]
 
 
 class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
-    """:class:`torch.optim.SGD` with float32 master weights and 16-bit gradients.
+    """``torch.optim.SGD`` with float32 master weights and 16-bit gradients.
 
-    Takes every argument of the parent, with the same defaults, plus the keyword-only
-    ``grad_dtype`` and ``max_grad_norm``: see :class:`mixedopt.MixedPrecisionOptimizer`.
+    Takes every argument of ``torch.optim.SGD``, positional and keyword, with the same defaults
+    and meaning, plus the keyword-only ``grad_dtype`` and ``max_grad_norm``.
+    The methods and attributes it adds to the parent's (``step()`` as described there,
+    ``true_grad()``, ``remove_grad_storage()``, ``step_in_backward()``, ``skipped_steps``,
+    ``last_grad_norm``, ``grad_dtype``, ``max_grad_norm``) are those of
+    [MixedPrecisionOptimizer][mixedopt.MixedPrecisionOptimizer].
+
+    Args:
+        params: the parameters to optimize, or dicts defining parameter groups, as for the
+            parent; every parameter must be float32 (anything else is a ``ValueError``).
+        lr: learning rate, a float or a one-element tensor (default ``1e-3``).
+        momentum: momentum factor (default ``0``).
+        dampening: dampening for momentum (default ``0``).
+        weight_decay: weight decay, L2 penalty (default ``0``).
+        nesterov: Nesterov momentum (default ``False``).
+        maximize: maximize the objective instead of minimizing it (default ``False``).
+        foreach: ``True``: torch's foreach implementation; ``False``: its for-loop; ``None``
+            (default): torch's choice, and on a CPU also foreach for batches of small tensors.
+        differentiable: must stay ``False``; ``True`` is refused with a ``ValueError``.
+        fused: ``True``: the compiled one-pass step (mixedopt's kernels, which read the 16-bit
+            gradients, for large parameters; torch's fused update for small ones); ``None``
+            (default): the default step.
+        grad_dtype: dtype of every ``.grad``, ``torch.float16`` (default) or ``torch.bfloat16``;
+            anything else is a ``ValueError``. New in mixedopt, keyword-only.
+        max_grad_norm: a positive float: ``step()`` clips the true gradients of all parameter
+            groups together to this L2 norm; ``None`` (default): no clipping. New in mixedopt,
+            keyword-only.
     """
 
     _compiled_kernel = staticmethod(sgd_kernel)
