@@ -1,6 +1,6 @@
 """Train mixedopt.AdamW and torch.optim.AdamW side by side in Hugging Face Trainer and Lightning.
 
-It checks the recipes of README.md ("What `p.grad` holds", "GradScaler and clipping"): with float16
+It checks the recipes of docs/frameworks.md and docs/gradscaler.md: with float16
 ``.grad`` (the default) the framework's clipping must be off and mixedopt's ``max_grad_norm`` on;
 with ``grad_dtype=torch.bfloat16`` the framework's clipping and gradient-norm logging are right.
 

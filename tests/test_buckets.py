@@ -191,7 +191,7 @@ def backward_peak(library):
     not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs"
 )
 def test_backward_holds_16_bit_gradients_and_a_bounded_float32_transient():
-    """README's bound: 16-bit gradients, plus 3 x capacity float32 elements (12 MiB) at most."""
+    """docs/grad.md's bound: 16-bit gradients, plus 3 x capacity float32 elements (12 MiB)."""
     elements = COUNT * NUMEL
     assert backward_peak("torch") >= 3.5 * elements  # the measurement sees float32 gradients
     assert backward_peak("mixedopt") <= 2 * elements + 3 * 4 * mixedopt._packing.CPU_CAPACITY

@@ -17,7 +17,7 @@ fresh parameters and optimizers of both kinds after step 2.
 Why: mixedopt claims the parent's update for every argument of the parent; these are the
 argument combinations PyTorch itself considers worth testing.
 
-Not run (mixedopt refuses them by documentation, README "Differences from torch.optim"):
+Not run (mixedopt refuses them by documentation, docs/behaviour.md, "Differences from torch.optim"):
 
 - ``differentiable=True`` (an implementation in ``supported_impls``): a ``ValueError`` at
   construction. Generated as skipped tests with that reason.
@@ -90,7 +90,7 @@ def _cases():
                 marks = []
                 if refused:
                     marks = pytest.mark.skip(
-                        reason=f"{refused[0]}=True: refused by mixedopt (README, Differences)"
+                        reason=f"{refused[0]}=True: refused by mixedopt (docs/behaviour.md)"
                     )
                 elif optim_input.params is not None:
                     marks = pytest.mark.skip(reason="optim_db gives parameter groups of its own")
