@@ -1,4 +1,4 @@
-"""Train mixedopt.AdamW and torch.optim.AdamW side by side in Hugging Face Trainer and Lightning.
+"""Train mixedopt.AdamW and torch.optim.AdamW side by side in Trainer, Lightning and accelerate.
 
 It checks the recipes of docs/frameworks.md and docs/gradscaler.md: with float16
 ``.grad`` (the default) the framework's clipping must be off and mixedopt's ``max_grad_norm`` on;
@@ -13,7 +13,9 @@ Columns:
 
 - norm seen: the gradient norm the framework computed from ``p.grad`` at the last step, mixedopt's
   side then torch's (Trainer: its logged ``grad_norm``; Lightning: the norm of ``p.grad`` in
-  ``on_before_optimizer_step``, before clipping, as ``lightning.pytorch.utilities.grad_norm`` sees);
+  ``on_before_optimizer_step``, before clipping, as ``lightning.pytorch.utilities.grad_norm`` sees;
+  accelerate: what ``accelerator.clip_grad_norm_`` returned, or, where it is not called, the
+  norm of ``p.grad`` that a loop would log);
 - mixedopt last_grad: ``optimizer.last_grad_norm`` (computed only with ``max_grad_norm``);
 - max |w_m - w_t|: the largest absolute difference between the two models' weights after training,
   and (last column) the parameter it is in;
@@ -22,8 +24,8 @@ Columns:
 
 A variant whose training raises shows the side, the exception type and its message instead.
 
-Needs transformers (5.x), accelerate and lightning (2.x); not a test dependency. Run (about 20 s
-on a CPU; nothing is downloaded: the models are built from configs):
+Needs transformers (5.x), accelerate (1.x) and lightning (2.x); not a test dependency. Run
+(about 30 s on a CPU; nothing is downloaded: the models are built from configs):
 
     pip install transformers accelerate lightning
     python scripts/check_frameworks.py
@@ -36,6 +38,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+import accelerate
 import lightning as L
 import torch
 import transformers
@@ -65,6 +68,17 @@ LIGHTNING_VARIANTS: list[Variant] = [
     ("c bf16, clip_val=1, 32-true", BF16, CLIP, {}),
     ("d bf16, clip_val=1, bf16-mixed", BF16, {**CLIP, "precision": "bf16-mixed"}, {}),
     ("e bf16, clip_val=1, accumulate 2", BF16, {**CLIP, "accumulate_grad_batches": 2}, {}),
+]
+
+# accelerate: clip (accelerator.clip_grad_norm_ at 1), the Accelerator's mixed_precision and
+# gradient_accumulation_steps. Its fp16 mixed precision needs a GPU: not checked here.
+CLIPS, NO_CLIPS = {"clip": 1.0}, {"clip": None}
+ACCELERATE_VARIANTS: list[Variant] = [
+    ("a fp16, clips at 1", {}, CLIPS, {}),
+    ("b fp16, mixedopt clips instead", {"max_grad_norm": 1.0}, CLIPS, NO_CLIPS),
+    ("c bf16, clips at 1", BF16, CLIPS, {}),
+    ("d bf16, clips at 1, bf16 mixed", BF16, {**CLIPS, "mixed_precision": "bf16"}, {}),
+    ("e bf16, clips at 1, accumulate 2", BF16, {**CLIPS, "accumulate": 2}, {}),
 ]
 
 
@@ -173,6 +187,47 @@ def train_lightning(
     return module.grad_norm, trainer.optimizers[0]
 
 
+def train_accelerate(
+    model: nn.Module,
+    make_optimizer: Callable,
+    data: torch.Tensor,
+    clip: float | None = None,
+    mixed_precision: str = "no",
+    accumulate: int = 1,
+) -> Trained:
+    """Train in a loop written on accelerate.Accelerator; return the last norm seen, the optimizer.
+
+    The loop of accelerate's documentation: ``prepare``, ``accumulate``, ``backward``,
+    ``clip_grad_norm_`` where ``clip`` is set (its return value is the norm seen), ``step``,
+    ``zero_grad``. Without ``clip`` the norm seen is that of ``p.grad``, as a loop would log it.
+    """
+    # One Accelerator per run: its state is a process-wide singleton (Trainer made one too).
+    accelerate.state.AcceleratorState._reset_state(reset_partial_state=True)
+    accelerator = accelerate.Accelerator(
+        cpu=True, mixed_precision=mixed_precision, gradient_accumulation_steps=accumulate
+    )
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(data[: STEPS * BATCH * accumulate]),
+        batch_size=BATCH,
+        shuffle=False,
+    )
+    optimizer = make_optimizer(model.parameters())
+    model, prepared, loader = accelerator.prepare(model, optimizer, loader)
+    norm = None
+    for (batch,) in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(model(input_ids=batch, labels=batch).loss)
+            if accelerator.sync_gradients:
+                if clip is not None:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), clip)
+                else:
+                    grads = [p.grad for p in model.parameters() if p.grad is not None]
+                    norm = torch.nn.utils.get_total_norm(grads)
+            prepared.step()
+            prepared.zero_grad()
+    return (None if norm is None else float(norm)), optimizer
+
+
 def largest_difference(a: nn.Module, b: nn.Module) -> tuple[float, str]:
     """The largest absolute difference between the weights of a and b, and its parameter's name."""
     return max(
@@ -242,13 +297,18 @@ def main() -> None:
     ]
     print(
         f"torch {torch.__version__}, transformers {transformers.__version__}, lightning "
-        f"{L.__version__}; mixedopt.AdamW vs torch.optim.AdamW (lr={LR}), {STEPS} steps, "
-        f"batch {BATCH}, CPU"
+        f"{L.__version__}, accelerate {accelerate.__version__}; mixedopt.AdamW vs "
+        f"torch.optim.AdamW (lr={LR}), {STEPS} steps, batch {BATCH}, CPU"
     )
     hf_title = "Hugging Face Trainer, tiny BERT classifier (Trainer's linear LR schedule)"
     print_table(hf_title, train_hf, tiny_bert, hf_data, HF_VARIANTS)
     lightning_title = "Lightning Trainer, tiny GPT-2 LM (norm seen: of p.grad before clipping)"
     print_table(lightning_title, train_lightning, tiny_gpt2, tokens, LIGHTNING_VARIANTS)
+    accelerate_title = (
+        "A loop on accelerate.Accelerator, tiny GPT-2 LM (norm seen: clip_grad_norm_'s, or of "
+        "p.grad)"
+    )
+    print_table(accelerate_title, train_accelerate, tiny_gpt2, tokens, ACCELERATE_VARIANTS)
 
 
 if __name__ == "__main__":
