@@ -114,7 +114,7 @@ class StepStages:
         skip = skips[0] if len(skips) == 1 else skips[0] | skips[1].to(skips[0].device)
         bucket_groups = set().union(*(bucket.groups for bucket in buckets))
         groups = self.rules.param_groups
-        fused = all(self.fused.takes(group, entries) for group, entries in steps) and all(
+        fused = all(self.fused.takes(group, chosen) for group, chosen in steps) and all(
             self.fused.takes(groups[index], []) for index in bucket_groups
         )
         on_device = fused and not on_host and not _packing.budget(skip.device).on_host
