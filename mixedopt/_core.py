@@ -247,8 +247,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
         ``with optimizer.step_in_backward(): loss.backward()`` does what ``loss.backward();
         optimizer.step(); optimizer.zero_grad()`` does, with the same weights and state, but the
-        parameters are updated inside backward as soon as their stored gradients reach
-        ``_in_backward.UPDATE_BATCH`` elements (or backward ends), and those gradients are freed
+        parameters are updated inside backward as soon as their stored gradients reach 4Mi
+        elements together (or backward ends), and those gradients are freed
         then: the gradients of the whole model are never held. For gradient accumulation, the
         earlier micro-batches run a plain ``loss.backward()`` (their gradients are stored in 16
         bits as usual) and the last one runs in this context.
