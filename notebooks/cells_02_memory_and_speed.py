@@ -181,7 +181,7 @@ except ImportError as error:
 
 cpu_run = None
 if bench is not None:
-    # docs/bench_cpu.json is the README's run (python -m mixedopt.bench --json ...): not this one.
+    # docs/bench_cpu.json is the performance page's run (mixedopt.bench --json ...): not this.
     json_path = Path(tempfile.mkdtemp()) / "bench_cpu.json"
     print("python -m mixedopt.bench", " ".join(BENCH_ARGS), "--json", json_path, "\\n")
     with contextlib.redirect_stderr(io.StringIO()):  # no progress bar in the notebook

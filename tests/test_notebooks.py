@@ -2,11 +2,13 @@
 
 Each notebook is read into memory and executed there (the committed file, with the outputs of a
 full run, is left as it is) with ``MIXEDOPT_SMOKE=1`` in the kernel's environment and
-``notebooks/`` as its working directory. A cell that raises fails the test.
+``notebooks/`` as its working directory. A cell that raises fails the test. And each committed
+notebook has the cells ``notebooks/build.py`` writes from its ``cells_*.py`` module.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -72,3 +74,19 @@ def test_notebook_runs_in_smoke_mode(name: str) -> None:
         f"{name} ran in a kernel of another Python: {printed.strip()!r}, expected {sys.prefix!r}"
     )
     assert path.read_bytes() == committed, f"running {name} changed the file on disk"
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_committed_notebook_has_the_cells_it_is_built_from(name: str) -> None:
+    # notebooks/build.py writes each notebook from its cells_*.py module: a cell edited in one
+    # place and not the other would show readers code the tests do not run.
+    nbformat = _require("nbformat")
+    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOKS_DIR / "build.py")
+    assert spec is not None and spec.loader is not None
+    build = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(build)
+    committed = nbformat.read(NOTEBOOKS_DIR / name, as_version=4)
+    built = build.build(name)
+    assert [(c.cell_type, c.source) for c in committed.cells] == [
+        (c.cell_type, c.source) for c in built.cells
+    ]
