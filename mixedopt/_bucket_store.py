@@ -8,10 +8,13 @@ stored buckets again for ``step()`` (``whole_buckets``, ``stored_bucket``). See 
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
+import threading
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,15 +39,25 @@ _call = weakref.ref.__call__
 class BucketPlan:
     """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
 
-    __slots__ = ("layout", "runs", "param_strides", "generation", "staging_views")
+    __slots__ = ("slots", "layout", "runs", "param_strides", "staging_views")
 
-    def __init__(self, layout: RowLayout, runs: ViewRuns, param_strides: list[Any] | None) -> None:
+    def __init__(
+        self,
+        slots: list[Slot],
+        layout: RowLayout,
+        runs: ViewRuns,
+        param_strides: list[Any] | None,
+    ) -> None:
+        # The slots it was made for, weakly: plans are found by the slots' ids, which a new slot
+        # may take once one is gone.
+        self.slots = tuple(map(weakref.ref, slots))
         self.layout = layout
         # The parameters' strides it was made for (``None``: all of them contiguous).
         self.param_strides = param_strides
         self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
-        self.generation = -1  # of the staging buffer the views below are of
-        self.staging_views: list[Tensor] = []
+        # The staging buffer last used for it, and the gradients' views of it: one pair, read
+        # and replaced whole (the claims on the slots keep one store of a plan at a time).
+        self.staging_views: tuple[Tensor, list[Tensor]] | None = None
 
 
 class StoredBucket:
@@ -138,33 +151,97 @@ class GroupIndex:
         return indices
 
 
+# What a staging buffer last held (``Staging.layout``) when it held no bucket's rows.
+_CLEAN = "zeros"  # nothing yet: zeros
+_SCRATCH = "scratch"  # used as scratch space (``Staging.scratch``): anything
+
+
+class Staging:
+    """A float32 buffer one store works in, and what it last held.
+
+    Owned by one store at a time: ``BucketStore.lend_staging`` lends it from a pool per device
+    and takes it back when the store ends, so that stores running at once on several threads
+    each have their own, and a training loop's stores find a warm one. Grown to the largest
+    bucket stored (at most a bucket's capacity).
+    """
+
+    __slots__ = ("device", "buffer", "layout", "rows")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.buffer = torch.zeros(0, device=device)
+        # The layout whose rows it holds (its padding zero), or ``_CLEAN`` or ``_SCRATCH``.
+        self.layout: RowLayout | str = _CLEAN
+        self.rows = self.buffer
+
+    def grown(self, elements: int) -> Tensor:
+        """The buffer, replaced by zeros of ``elements`` if it is shorter."""
+        if self.buffer.numel() < elements:
+            self.buffer = torch.zeros(elements, device=self.device)
+            self.layout = _CLEAN
+        return self.buffer
+
+    def rows_for(self, layout: RowLayout) -> Tensor:
+        """The buffer's rows for ``layout``, zero where they pad.
+
+        A bucket writes its gradients where ``layout`` puts them and nothing else, so a bucket
+        of the layout the buffer last had finds its padding still zero; another one zeroes the
+        buffer first.
+        """
+        staging = self.grown(layout.elements)
+        if self.layout is not layout:
+            rows = staging[: layout.elements].view(layout.rows, ROW)
+            if self.layout is not _CLEAN:
+                rows.zero_()
+            self.layout, self.rows = layout, rows
+        return self.rows
+
+    def scratch(self, elements: int) -> Tensor:
+        """The buffer, at least ``elements`` long, as scratch space (a bucket zeroes it next)."""
+        staging = self.grown(elements)
+        self.layout = _SCRATCH
+        return staging
+
+
 class BucketStore:
     """Stores the buckets of a backward and finds them again for ``step()``; see the module.
 
     A component of ``_storage.GradientStorage``, which owns one per storage and hands it the
-    waiting buckets.
+    waiting buckets. Stores run at once on several threads (one bucket each): each takes a
+    staging buffer of its own from the pool; the plans and layouts are caches any of them may
+    fill; the record of stored buckets is guarded by a lock.
     """
 
     def __init__(self, grad_dtype: torch.dtype, scales: StorageScales) -> None:
         self.grad_dtype = grad_dtype
         self._scales = scales
-        # Per device: float32 zeros, grown to the largest bucket stored (at most its capacity).
-        self._staging: dict[torch.device, Tensor] = {}
-        self._staging_generation = 0  # advances when a staging buffer is replaced
-        # Per device: the layout last written into the staging buffer, and its rows (no layout:
-        # the buffer was used as scratch, ``scratch``).
-        self._staging_rows: dict[torch.device, tuple[RowLayout | None, Tensor]] = {}
+        # Per device: the staging buffers no store is using (``lend_staging``).
+        self._staging: dict[torch.device, list[Staging]] = {}
         self._layouts = LayoutCache()
         self._plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan] = {}
-        # id(stats) -> the buckets stored, while their gradients live.
+        # id(stats) -> the buckets stored, while their gradients live; under ``_stored_lock``.
         self._stored: dict[int, StoredBucket] = {}
+        self._stored_lock = threading.Lock()
 
     def clear(self) -> None:
         """Give the buffers back (the storage manages no parameter any more)."""
         self._staging.clear()
         self._plans.clear()
-        self._stored.clear()
-        self._staging_rows.clear()
+        with self._stored_lock:
+            self._stored.clear()
+
+    @contextlib.contextmanager
+    def lend_staging(self, device: torch.device) -> Iterator[Staging]:
+        """A staging buffer of ``device`` for one store, given back to the pool after it."""
+        pool = self._staging.setdefault(device, [])
+        try:
+            staging = pool.pop()
+        except IndexError:  # every one is in use: one more
+            staging = Staging(device)
+        try:
+            yield staging
+        finally:
+            pool.append(staging)
 
     def store(self, bucket: Bucket) -> list[Slot]:
         """Store a bucket's gradients: a fixed number of operations for all of them.
@@ -175,16 +252,32 @@ class BucketStore:
         slots, grads, previous = bucket.take_waiting()
         if not slots:
             return slots
-        device = bucket.device
-        plan = self._plan(slots, device)
+        plan = self._plan(slots, bucket.device)
+        with self.lend_staging(bucket.device) as staging:
+            self._write(staging, plan, slots, grads, previous)
+        return slots
+
+    def _write(
+        self,
+        staging: Staging,
+        plan: BucketPlan,
+        slots: list[Slot],
+        grads: list[Tensor],
+        previous: dict[int, Tensor],
+    ) -> None:
+        """Write a bucket's gradients, scaled, into one 16-bit buffer, through ``staging``.
+
+        Empties ``grads``: the float32 gradients go with their ``p.grad``, replaced here.
+        """
+        device = staging.device
         layout = plan.layout
-        staging, rows = self._staging_for(device, layout)
-        if plan.generation != self._staging_generation:
-            plan.staging_views = plan.runs.views(staging)
-            plan.generation = self._staging_generation
-        views = plan.staging_views
+        rows = staging.rows_for(layout)
+        found = plan.staging_views
+        if found is None or found[0] is not staging.buffer:
+            found = plan.staging_views = (staging.buffer, plan.runs.views(staging.buffer))
+        views = found[1]
         torch._foreach_copy_(views, grads)
-        del grads  # the float32 gradients go with their p.grad, below
+        grads.clear()
         if previous:
             added = list(previous)
             earlier = list(previous.values())
@@ -221,14 +314,15 @@ class BucketStore:
             slot.grad_ref = reference(grad)
             slot.grad_version, slot.stats, slot.row = version, stats, row
             slot.pending = False
-        return slots
 
     def _remember(self, stats: Tensor, stored: Tensor, plan: BucketPlan, slots: list[Slot]) -> None:
         """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
-        found = self._stored
-        for key in [k for k, record in found.items() if record.stored() is None]:
-            del found[key]
-        found[id(stats)] = StoredBucket(stats, stored, plan, slots)
+        record = StoredBucket(stats, stored, plan, slots)
+        with self._stored_lock:
+            found = self._stored
+            for key in [k for k, record in found.items() if record.stored() is None]:
+                del found[key]
+            found[id(stats)] = record
 
     def stored_bucket(self, stats: Tensor) -> StoredRows | None:
         """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.
@@ -253,22 +347,27 @@ class BucketStore:
         """
         if not self._stored:
             return [], groups.with_grad()
+        with self._stored_lock:
+            records = list(self._stored.values())
         whole = []
         taken = 0
-        for record in list(self._stored.values()):
+        for record in records:
             stats, stored, slots = record.stats(), record.stored(), record.slots
             if stats is None or stored is None or stored._version != record.version:
                 continue
             params = list(map(_param_of_slot, slots))
             indices = groups.indices(record.plan, params)
+            if indices is None:
+                continue
+            grads = list(map(_grad_of, params))
             if not (
                 # every parameter is of ``groups``, last stored in this bucket, and its .grad
-                # is still the view written there
-                indices is not None
-                and all(map(operator.is_, map(_stats_of_slot, slots), itertools.repeat(stats)))
-                and all(
-                    map(operator.is_, map(_grad_of, params), map(_call, map(_ref_of_slot, slots)))
-                )
+                # is still the view written there: not None (a view that is gone and a
+                # gradient set to None are both None, while the buffer lives on, held by
+                # whatever else reads it, another thread's step among them)
+                all(map(operator.is_, map(_stats_of_slot, slots), itertools.repeat(stats)))
+                and all(map(operator.is_not, grads, itertools.repeat(None)))
+                and all(map(operator.is_, grads, map(_call, map(_ref_of_slot, slots))))
             ):
                 continue
             whole.append(WholeBucket(stats, params, indices, stored, record.plan))
@@ -286,10 +385,14 @@ class BucketStore:
         # Made for the parameters' memory as it was: new memory (``p.data = ...``) needs a new
         # plan. Contiguous parameters that still are (the common case) are checked without
         # reading their strides.
-        if plan is not None and (
-            contiguous
-            if plan.param_strides is None
-            else plan.param_strides == list(map(_stride_of, params))
+        if (
+            plan is not None
+            and all(map(operator.is_, map(_call, plan.slots), slots))
+            and (
+                contiguous
+                if plan.param_strides is None
+                else plan.param_strides == list(map(_stride_of, params))
+            )
         ):
             return plan
         if len(self._plans) >= 16:
@@ -298,39 +401,5 @@ class BucketStore:
         layout = self._layouts.get([slot.param.numel() for slot in slots], device)
         runs = ViewRuns([slot.shape for slot in slots], strides, layout.offsets)
         param_strides = None if contiguous else list(map(_stride_of, params))
-        plan = self._plans[key] = BucketPlan(layout, runs, param_strides)
+        plan = self._plans[key] = BucketPlan(slots, layout, runs, param_strides)
         return plan
-
-    def _staging_for(self, device: torch.device, layout: RowLayout) -> tuple[Tensor, Tensor]:
-        """The staging buffer of ``device``, and its rows for ``layout``, zero where they pad.
-
-        A bucket writes its gradients where ``layout`` puts them and nothing else, so a bucket
-        of the layout the buffer last had finds its padding still zero; another one zeroes the
-        buffer first.
-        """
-        staging = self._staging_buffer(device, layout.elements)
-        last = self._staging_rows.get(device)
-        if last is None or last[0] is not layout:
-            rows = staging[: layout.elements].view(layout.rows, ROW)
-            if last is not None:
-                rows.zero_()
-            last = self._staging_rows[device] = (layout, rows)
-        return staging, last[1]
-
-    def scratch(self, device: torch.device, elements: int) -> Tensor:
-        """The staging buffer of ``device``, at least ``elements`` long, as scratch space.
-
-        The next bucket stored finds it of no layout, and zeroes it first.
-        """
-        staging = self._staging_buffer(device, elements)
-        self._staging_rows[device] = (None, staging)  # no layout's: the next bucket zeroes it
-        return staging
-
-    def _staging_buffer(self, device: torch.device, elements: int) -> Tensor:
-        """The staging buffer of ``device``, replaced by zeros of ``elements`` if it is shorter."""
-        staging = self._staging.get(device)
-        if staging is None or staging.numel() < elements:
-            staging = self._staging[device] = torch.zeros(elements, device=device)
-            self._staging_generation += 1
-            self._staging_rows.pop(device, None)
-        return staging

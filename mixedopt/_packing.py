@@ -9,6 +9,7 @@ docs/design.md, "Packing and budgets".
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -159,21 +160,29 @@ class IndexCache:
 
 
 class LayoutCache:
-    """The layouts of the last few size patterns: a training loop repeats the same few."""
+    """The layouts of the last few size patterns: a training loop repeats the same few.
+
+    Threads storing buckets at once share one (a layout never changes once made): the order of
+    use is kept under a lock, a layout is made outside it.
+    """
 
     def __init__(self, size: int = 8) -> None:
         self._size = size
         self._layouts: dict[tuple[tuple[int, ...], torch.device], RowLayout] = {}
+        self._lock = threading.Lock()
 
     def get(self, numels: Sequence[int], device: torch.device) -> RowLayout:
         key = (tuple(numels), device)
-        layout = self._layouts.pop(key, None)
-        if layout is None:
-            layout = RowLayout(key[0], device)
+        with self._lock:
+            layout = self._layouts.pop(key, None)
+            if layout is not None:
+                self._layouts[key] = layout  # now the most recently used
+                return layout
+        layout = RowLayout(key[0], device)
+        with self._lock:
             if len(self._layouts) >= self._size:
                 del self._layouts[next(iter(self._layouts))]  # the least recently used
-        self._layouts[key] = layout
-        return layout
+            return self._layouts.setdefault(key, layout)
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -148,12 +148,13 @@ class StorageScales:
         slot: Slot,
         incoming: Tensor,
         previous: Tensor | None,
-        scratch: Callable[[torch.device, int], Tensor],
+        scratch: Callable[[int], Tensor],
     ) -> None:
         """Store one gradient (added to ``previous``) with its own operations.
 
-        ``scratch(device, elements)`` lends a float32 buffer (the bucket store's staging). Runs
-        under ``torch.no_grad()`` (the storage's ``_store_alone``).
+        ``scratch(elements)`` gives a float32 buffer on the gradient's device (a staging buffer
+        the bucket store lends this store). Runs under ``torch.no_grad()`` (the storage's
+        ``_store_alone``).
         """
         true = incoming.float()
         if previous is not None:
@@ -211,7 +212,7 @@ class StorageScales:
 
 
 def _scale_into(
-    stored: Tensor, true: Tensor, scale: float, scratch: Callable[[torch.device, int], Tensor]
+    stored: Tensor, true: Tensor, scale: float, scratch: Callable[[int], Tensor]
 ) -> None:
     """``stored = true * scale`` on a CPU, in float32, rounded to ``stored``'s dtype.
 
@@ -232,7 +233,7 @@ def _scale_into(
     if flat_stored is None or flat_true is None:
         torch.mul(true, scale, out=stored)  # one pass
         return
-    space = scratch(true.device, size)
+    space = scratch(size)
     for start in range(0, numel, size):
         piece = flat_true[start : start + size]
         part = space[: piece.numel()]

@@ -1,8 +1,9 @@
-"""What the gradient storage keeps per parameter (``Slot``) and per device (``Bucket``).
+"""What the gradient storage keeps per parameter, per backward and per backward and device.
 
 A slot holds a parameter's hook, the stats row of the gradient the storage wrote into its
-``.grad``, and the bucket its gradients wait in. A bucket holds the small gradients of a
-backward that wait to be stored together (``_bucket_store.py``).
+``.grad``, and the bucket its gradients wait in. A bucket holds the small gradients of one
+backward on one device that wait to be stored together (``_bucket_store.py``); the backward's
+``Backward`` stores its buckets when it ends. See docs/design.md, "Who owns what".
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 from . import _packing
+from ._eager import run_eagerly
 from ._packing import dense_strides
 
 # Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
@@ -41,6 +43,7 @@ class Slot:
         "grad_ref",
         "grad_version",
         "engine_owned",
+        "installed",
         "pending",
         "layout",
         "shape",
@@ -48,6 +51,7 @@ class Slot:
         "consumer",
         "bucket",
         "elements",
+        "__weakref__",
     )
 
     def __init__(self, param: Tensor) -> None:
@@ -70,6 +74,7 @@ class Slot:
         self.grad_ref: weakref.ref[Tensor] | None = None  # the .grad tensor this storage wrote
         self.grad_version = -1  # its version counter when written
         self.engine_owned = False  # a distributed engine reads the gradient: left float32
+        self.installed = True  # False once let go (a hook under way then leaves it to autograd)
         self.pending = False  # its gradient waits in a bucket
         # The parameter's strides when its stored gradient's shape and strides were found.
         self.layout: tuple[int, ...] = ()
@@ -103,24 +108,47 @@ class Slot:
 
 
 class Bucket:
-    """Gradients of one device waiting to be stored together, in arrival order.
+    """Gradients of one backward on one device waiting to be stored together, in arrival order.
 
     A waiting gradient is in its ``p.grad``, float32 and true, as torch.optim would have it:
     autograd put it there (the hook's common case) or the hook did (``_take``). ``previous``
     keeps what ``p.grad`` held before, where it held something: they are added when stored.
+
+    A bucket is *armed* for one backward (``task``, its graph task id) from that backward's
+    first gradient on the device to its end: only that backward's hooks fill it, and they run on
+    one thread (the one autograd runs the device's part of that backward on). Its slots keep
+    pointing to it, so that the next backward of the same model arms the same bucket again and
+    finds it in their hook (the common case) without a lookup.
     """
 
-    __slots__ = ("device", "limits", "capacity", "small", "task", "slots", "previous", "elements")
+    __slots__ = (
+        "device",
+        "limits",
+        "capacity",
+        "small",
+        "task",
+        "owner",
+        "slots",
+        "previous",
+        "elements",
+    )
 
     def __init__(self, device: torch.device) -> None:
         limits = self.limits = _packing.budget(device)
         self.device = device
         self.capacity = limits.capacity  # elements, in whole rows
         self.small = limits.bucket_small  # the largest gradient that waits in a bucket
-        self.task: int | None = None  # the backward whose end stores this bucket
+        self.task: int | None = None  # the backward it is armed for (None: free)
+        # That backward, weakly: dead once the backward is over (``Backward``).
+        self.owner: weakref.ref[Backward] | None = None
         self.slots: list[Slot] = []
         self.previous: dict[int, Tensor] = {}  # position in ``slots`` -> earlier p.grad
         self.elements = 0
+
+    def running(self) -> bool:
+        """Whether the backward it is armed for is still running (it may add gradients)."""
+        owner = self.owner
+        return owner is not None and owner() is not None
 
     def clear(self) -> None:
         self.slots, self.previous, self.elements = [], {}, 0
@@ -149,3 +177,23 @@ class Bucket:
             [grads[i] for i in kept],
             {n: previous[i] for n, i in enumerate(kept) if i in previous},
         )
+
+
+class Backward:
+    """One backward (an autograd graph task) as the storage sees it: its end stores its buckets.
+
+    Queued on the autograd engine as the backward's end-of-backward callback, so the engine
+    holds it while the backward runs, and drops it when the backward ends (after calling it) or
+    raises (without calling it). The storage and the backward's buckets hold it weakly: a dead
+    ``Backward`` is a backward that will add nothing more, whose buckets anyone may store.
+    """
+
+    __slots__ = ("task", "finish", "__weakref__")
+
+    def __init__(self, task: int, finish: Callable[[int], None]) -> None:
+        self.task = task
+        self.finish = finish
+
+    @run_eagerly  # called from the frame that ran backward(), which may be compiled
+    def __call__(self) -> None:
+        self.finish(self.task)

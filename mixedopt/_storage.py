@@ -11,8 +11,12 @@ storage".
 from __future__ import annotations
 
 import collections
+import contextlib
+import itertools
 import threading
 import warnings
+import weakref
+from collections import deque
 from collections.abc import Callable, Iterable
 
 import torch
@@ -25,13 +29,18 @@ from ._distributed import ddp_managed, process_group_exists
 from ._eager import run_eagerly
 from ._packing import ROW, StoredRows, rows_for
 from ._scales import StorageScales
-from ._slots import Bucket, Consumer, Slot
-from ._storage_work import deferring_releases
+from ._slots import Backward, Bucket, Consumer, Slot
+from ._storage_work import StorageWork, deferring_releases
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
 # False when called; dynamo traces it as True (compiled autograd traces the storage's hooks).
 _traced_by_dynamo = torch.compiler.is_dynamo_compiling
+# The id of the backward (autograd graph task) running on this thread; -1 outside one.
+_current_backward = torch._C._current_graph_task_id
+# Who holds a slot's gradient (``GradientStorage._claims``): a backward's graph task id (0 and
+# up), or a release in progress.
+_RELEASING = -2
 
 # Parameters managed by a live GradientStorage: one storage per parameter.
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -48,30 +57,49 @@ class GradientStorage:
     ``release(holder)`` lets go of them; a parameter no optimizer holds any more loses its hook
     and gets its true float32 gradient back. The storage references no optimizer.
 
-    It keeps a slot per parameter and the buckets waiting to be stored; its components store
-    them (``_bucket_store.BucketStore``) and find and undo the storage scales
+    It keeps a slot per parameter and the buckets the running backwards fill; its components
+    store them (``_bucket_store.BucketStore``) and find and undo the storage scales
     (``_scales.StorageScales``).
+
+    Several threads use it at once (each device's part of a backward runs on that device's
+    thread; several backwards may run at once). Who owns what (docs/design.md, "Who owns
+    what"): a parameter's gradient, from the hook that takes it until it is stored, belongs to
+    one backward, which *claims* its slot (``_claims``); a bucket belongs to the backward it is
+    armed for; ``_lock`` guards the bookkeeping shared by all (slots, claims, the buckets being
+    filled) and is never held while a gradient is stored or a consumer runs.
     """
 
     @staticmethod
     def shared(grad_dtype: torch.dtype) -> GradientStorage:
         """The storage of ``grad_dtype`` (a parameter's gradients have one dtype at a time)."""
         storage = _shared.get(grad_dtype)
-        if storage is None:
-            storage = _shared[grad_dtype] = GradientStorage(grad_dtype)
+        if storage is None:  # two threads may both get here: one storage is kept
+            storage = _shared.setdefault(grad_dtype, GradientStorage(grad_dtype))
         return storage
 
     def __init__(self, grad_dtype: torch.dtype) -> None:
         self.grad_dtype = grad_dtype
+        self._lock = threading.Lock()  # the bookkeeping below; taken inside storage work only
         self._slots: dict[int, Slot] = {}
         self._unchecked: list[Slot] = []  # not looked up yet for a distributed engine
         self._engines_looked_up_in = -2  # the backward (graph task) that last looked them up
-        self._buckets: dict[torch.device, Bucket] = {}  # the bucket filling, per device
+        # Slot -> the backward (graph task id) whose gradient it holds, from the hook that takes
+        # it until it is stored (``_RELEASING`` while a release lets go of it). Claimed without
+        # the lock by the hook's common case (``dict.setdefault`` is one atomic step).
+        self._claims: dict[Slot, int] = {}
+        # Gradients that arrived from another backward while a slot was claimed: added by the
+        # claim's holder once it has stored its own (``_release_claims``).
+        self._late: dict[Slot, list[Tensor]] = {}
+        # (graph task id, device) -> the bucket that backward fills there.
+        self._filling: dict[tuple[int, torch.device], Bucket] = {}
+        # Graph task id -> its ``Backward``, weakly (dead: the backward ended or raised).
+        self._backwards: dict[int, weakref.ref[Backward]] = {}
         self._scales = StorageScales(grad_dtype)
         self._bucket_store = BucketStore(grad_dtype, self._scales)
         self._consumed = 0  # slots with a consumer
-        self.working = 0  # storage methods running (``deferring_releases``)
+        self.work = StorageWork()  # storage methods running, per thread (``deferring_releases``)
         # Releases that came where they could not run: during storage work, from a finalizer
+        # inside a trace, or while a running backward holds one of their gradients
         # (``release_when_safe``). Appended by any thread.
         self.waiting_releases: collections.deque[set[int]] = collections.deque()
 
@@ -98,34 +126,34 @@ class GradientStorage:
                 "optimizers holding the parameter first)"
             )
 
+    @deferring_releases
     def install(self, param: Tensor, holder: set[int]) -> None:
         """Make ``param.grad`` land in ``grad_dtype``, held by ``holder``.
 
         Frozen parameters are left alone. A parameter another optimizer holds already keeps its
         storage, now held by both.
         """
-        if self.waiting_releases:  # the parameters of optimizers collected since
-            self.release_waiting()
         if id(param) in holder or not param.requires_grad:
             return
-        self.check_can_manage(param)
-        slot = self._slots.get(id(param))
-        if slot is None:
-            slot = Slot(param)
-            param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
-            slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
-            self._slots[id(param)] = slot
-            self._unchecked.append(slot)
-            _managed[param] = self
-        slot.holders += 1
-        holder.add(id(param))
+        with self._lock:
+            self.check_can_manage(param)
+            slot = self._slots.get(id(param))
+            if slot is None:
+                slot = Slot(param)
+                param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
+                slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
+                self._slots[id(param)] = slot
+                self._unchecked.append(slot)
+                _managed[param] = self
+            slot.holders += 1
+            holder.add(id(param))
 
     def _leave_to_engines(self) -> None:
         """Leave float32 the gradients of the parameters a DistributedDataParallel reduces.
 
         Its reducer reads each gradient right after autograd stores it and accepts only the
         parameter's dtype. Looked up once per parameter, at the first backward with a process
-        group.
+        group. Called with the lock held.
         """
         if not process_group_exists():
             return
@@ -151,6 +179,7 @@ class GradientStorage:
 
     def _accumulate_hook(self, slot: Slot):  # noqa: ANN202 - autograd hook
         param = slot.param
+        claims = self._claims
 
         @run_eagerly  # called from a compiled frame (backward() inside torch.compile)
         def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None] | None:
@@ -160,15 +189,19 @@ class GradientStorage:
                 return None
             # Runs for every parameter in every backward, between backward's own operations,
             # which leave the caches cold for it: each tensor attribute it reads is costly there.
-            # The common case reads one. A non-empty bucket (``slot.bucket``,
-            # set by ``_take``) is stored at the end of the backward under way, so the hook only
-            # marks the parameter as waiting and lets autograd put the float32 gradient in
-            # ``p.grad``, as it does for torch.optim; the bucket's store takes it from there.
-            # Every other case goes to ``_take``. Autograd runs the hooks of one device on one
-            # thread, and they share nothing with another device's but ``_take``'s bookkeeping.
+            # First the claim: from here until it is stored, the gradient is this backward's
+            # (another backward that brings one for the same parameter meanwhile finds it
+            # claimed, in ``_take``). Then the common case: the slot's bucket is armed for this
+            # backward and has room, so the hook only marks the parameter as waiting and lets
+            # autograd put the float32 gradient in ``p.grad``, as it does for torch.optim; the
+            # bucket's store takes it from there. Every other case goes to ``_take``.
+            task = _current_backward()
+            if claims.setdefault(slot, task) != task:
+                return self._take(slot, grad_outputs[0], task, claimed=False)
             bucket = slot.bucket
             if (
                 bucket is not None
+                and bucket.task == task
                 and bucket.elements
                 and not slot.pending
                 and bucket.elements + slot.elements <= bucket.capacity
@@ -178,55 +211,91 @@ class GradientStorage:
                 bucket.elements += slot.elements
                 slot.pending = True
                 return None  # autograd stores it, as it would without mixedopt
-            return self._take(slot, grad_outputs[0])
+            return self._take(slot, grad_outputs[0], task, claimed=True)
 
         return hook
 
     @deferring_releases  # a finalizer may run in the middle of it
-    def _take(self, slot: Slot, incoming: Tensor | None) -> tuple[None] | None:
+    def _take(
+        self, slot: Slot, incoming: Tensor | None, task: int, claimed: bool
+    ) -> tuple[None] | None:
         """The hook's other cases, out of its way.
 
         The first gradient of a backward (or of a device), one that would overflow its bucket,
-        one left waiting by a backward that ended early, one added to an earlier gradient, a
-        gradient too large for a bucket, and those autograd keeps: a distributed engine's,
-        sparse ones (``step()`` refuses them).
+        one left waiting by a backward that raised, one added to an earlier gradient, a
+        gradient too large for a bucket, one another running backward has claimed (added once
+        that one stored its own), and those autograd keeps: a distributed engine's, sparse ones
+        (``step()`` refuses them), a parameter let go meanwhile.
         """
+        if incoming is None:  # nothing to store
+            if claimed:
+                self._release_claims([slot])
+            return None
+        while not claimed:
+            with self._lock:
+                owner = self._claims.setdefault(slot, task)
+                if owner == task:
+                    claimed = True
+                    break
+                if self._running(owner):
+                    if not slot.installed or slot.engine_owned or incoming.is_sparse:
+                        return None  # autograd stores it (as the claim's holder leaves it)
+                    # Another backward holds this parameter's gradient: this one is added once
+                    # that one is stored, by whoever stores it.
+                    self._late.setdefault(slot, []).append(incoming)
+                    return (None,)
+                orphans = self._adopt_orphans(owner)
+            self._store_orphans(orphans)  # a backward that raised left it waiting: stored first
+        try:
+            return self._take_claimed(slot, incoming, task)
+        except BaseException:
+            with self._lock:  # a claim this backward still holds, its gradient in no bucket
+                if self._claims.get(slot) == task and not slot.pending:
+                    del self._claims[slot]
+            raise
+
+    def _take_claimed(self, slot: Slot, incoming: Tensor, task: int) -> tuple[None] | None:
+        """``_take`` once the slot is claimed for ``task``: hands the claim on or releases it."""
         param = slot.param
+        if slot.pending:  # a second gradient in this backward: its bucket is stored first
+            assert slot.bucket is not None
+            self._store_bucket(slot.bucket)
+            with self._lock:
+                owner = self._claims.setdefault(slot, task)
+            if owner != task:  # claimed meanwhile by another backward: added after it
+                return self._take(slot, incoming, task, claimed=False)
         previous = param.grad
-        if self._unchecked:  # looked for once per backward (a process group comes before it)
-            task = torch._C._current_graph_task_id()
-            if task != self._engines_looked_up_in:
-                self._engines_looked_up_in = task
-                self._leave_to_engines()
-        if (
-            slot.engine_owned
-            or incoming is None
-            or incoming.is_sparse
-            or (previous is not None and previous.is_sparse)
-        ):
-            return None  # autograd stores it
-        device = incoming.device
-        bucket = self._buckets.get(device)
-        if bucket is None or bucket.limits is not _packing.budget(device):
-            if bucket is not None:  # the budget was changed (tests do): a bucket for it
-                self._store_bucket(bucket)
-            bucket = self._buckets[device] = Bucket(device)
-        if slot.pending:  # waits from a backward that raised: stored first
-            self._store_bucket(bucket)
-            previous = param.grad
-        numel = incoming.numel()
-        if numel > bucket.small:
+        with self._lock:
+            if self._unchecked:  # looked for once per backward (a process group comes before it)
+                if task != self._engines_looked_up_in:
+                    self._engines_looked_up_in = task
+                    self._leave_to_engines()
+            kept_by_autograd = (
+                not slot.installed
+                or slot.engine_owned
+                or incoming.is_sparse
+                or (previous is not None and previous.is_sparse)
+            )
+            if kept_by_autograd:
+                self._claims.pop(slot, None)
+                return None  # autograd stores it
+            self._backward(task)
+            device = incoming.device
+            numel = incoming.numel()
+            limits = _packing.budget(device)
+            small = numel <= limits.bucket_small
+            bucket = self._bucket_for(task, slot, device, limits) if small else None
+        if bucket is None:
             slot.bucket = None
-            self._store_alone(slot, incoming, previous)
+            try:
+                self._store_alone(slot, incoming, previous)
+            finally:
+                self._release_claims([slot])
             return (None,)
-        task = torch._C._current_graph_task_id()
-        if bucket.task != task:  # what waits is stored when this backward ends
-            bucket.task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
         slot.elements = rows_for(numel) * ROW  # whole rows
         slot.bucket = bucket  # the hook's common case, from now on
         if bucket.elements + slot.elements > bucket.capacity:
-            self._store_bucket(bucket)
+            self._store_bucket(bucket)  # full: stored now, and filled again
         if previous is not None:
             bucket.previous[len(bucket.slots)] = previous
         bucket.slots.append(slot)
@@ -237,44 +306,178 @@ class GradientStorage:
         param.grad = incoming  # true values until stored, as torch.optim would have them
         return (None,)  # taken: autograd stores nothing
 
+    def _bucket_for(
+        self, task: int, slot: Slot, device: torch.device, limits: _packing.Budget
+    ) -> Bucket:
+        """The bucket ``task`` fills on ``slot``'s device, armed at its first gradient there.
+
+        The slot's own bucket when it is free (a training loop's next backward arms the same
+        one), else a new one. The backward's first bucket queues its end on the autograd
+        engine (``Backward``), which stores what waits. Called with the lock held.
+        """
+        bucket = self._filling.get((task, device))
+        if bucket is not None:
+            return bucket
+        bucket = slot.bucket
+        if (
+            bucket is None
+            or bucket.task is not None
+            or bucket.limits is not limits
+            or bucket.device != device
+        ):
+            bucket = Bucket(device)  # the slot's own is in use (another backward's) or outdated
+        bucket.task, bucket.owner = task, weakref.ref(self._backward(task))
+        self._filling[(task, device)] = bucket
+        return bucket
+
+    def _backward(self, task: int) -> Backward:
+        """The ``Backward`` of ``task``, made and queued for its end at its first gradient.
+
+        Every backward that claims a gradient has one, so that a claim is known to be a running
+        backward's (``_running``). Called with the lock held.
+        """
+        found = self._backwards.get(task)
+        backward = None if found is None else found()
+        if backward is None:
+            backward = Backward(task, self._finish)
+            self._backwards[task] = weakref.ref(backward)
+            torch.autograd.Variable._execution_engine.queue_callback(backward)
+        return backward
+
+    def _running(self, owner: int) -> bool:
+        """Whether the holder of a claim, ``owner``, may still add to or store the gradient.
+
+        A backward that raised ran no end-of-backward callback: its ``Backward`` is dead, and its
+        waiting buckets are anyone's to store. A claim with no ``Backward`` yet is a hook's, on
+        its way to ``_take``. Called with the lock held.
+        """
+        if owner == _RELEASING:
+            return True
+        backward = self._backwards.get(owner)
+        return backward is None or backward() is not None
+
+    def _adopt_orphans(self, task: int | None) -> list[Bucket]:
+        """Take the buckets of ended backwards (``task``'s, or all) out of those being filled.
+
+        The caller stores them (``_store_orphans``), outside the lock. Called with the lock held.
+        """
+        orphans = []
+        for key, bucket in list(self._filling.items()):
+            if (task is None or key[0] == task) and not bucket.running():
+                del self._filling[key]
+                orphans.append(bucket)
+        if task is not None:
+            # A claim whose gradient is in none of its buckets (a hook interrupted between
+            # its claim and its bucket) ends with its backward.
+            for slot, owner in list(self._claims.items()):
+                if owner == task and not any(slot in bucket.slots for bucket in orphans):
+                    del self._claims[slot]
+        # Forget the ended backwards nothing refers to any more.
+        holding = {held for held, _ in self._filling} | set(self._claims.values())
+        for ended, backward in list(self._backwards.items()):
+            if backward() is None and ended not in holding:
+                del self._backwards[ended]
+        return orphans
+
+    def _store_orphans(self, buckets: list[Bucket]) -> None:
+        """Store buckets taken by ``_adopt_orphans``, then free them for other backwards."""
+        try:
+            for bucket in buckets:
+                self._store_bucket(bucket)
+        finally:
+            self._free(buckets)
+
+    def _free(self, buckets: list[Bucket]) -> None:
+        """Free stored buckets: the next backward of their slots arms them again."""
+        with self._lock:
+            for bucket in buckets:
+                bucket.task = bucket.owner = None
+
+    @deferring_releases
+    def _finish(self, task: int) -> None:
+        """The end of backward ``task``: store what waits in its buckets, and free them."""
+        with self._lock:
+            buckets = [b for key, b in self._filling.items() if key[0] == task]
+            for bucket in buckets:
+                del self._filling[(task, bucket.device)]
+            self._backwards.pop(task, None)
+        try:
+            for bucket in buckets:
+                self._store_bucket(bucket)
+        finally:
+            self._free(buckets)
+
     @deferring_releases  # a finalizer may run in the middle of it
     @torch.no_grad()
     def _store_bucket(self, bucket: Bucket) -> None:
-        """Store what waits in ``bucket``, and hand it to the consumers (``set_consumer``)."""
+        """Store what waits in ``bucket``, hand it to the consumers, and release the claims."""
         if not bucket.slots:
             return
-        slots = self._bucket_store.store(bucket)
-        if slots and self._consumed:
-            self._hand_over(slots)
+        waiting = bucket.slots
+        try:
+            slots = self._bucket_store.store(bucket)
+            if slots and self._consumed:
+                self._hand_over(slots)
+        finally:
+            self._release_claims(waiting)
 
     @deferring_releases
     @torch.no_grad()
     def _store_alone(self, slot: Slot, incoming: Tensor, previous: Tensor | None) -> None:
         """Store one gradient (added to ``previous``) on its own, and hand it to its consumer."""
-        self._scales.store_alone(slot, incoming, previous, self._bucket_store.scratch)
+        with self._bucket_store.lend_staging(incoming.device) as staging:
+            self._scales.store_alone(slot, incoming, previous, staging.scratch)
         if slot.consumer is not None:
             slot.consumer([slot.param])
 
+    def _release_claims(self, slots: list[Slot]) -> None:
+        """End the claims on ``slots``, whose gradients were stored (or dropped).
+
+        A gradient another backward brought meanwhile (``_late``) is added now, stored on its
+        own by this thread, which still holds the claim: the sum is the one those backwards
+        give one after the other, in the order their gradients arrived.
+        """
+        while slots:
+            late: dict[Slot, list[Tensor]] = {}
+            with self._lock:
+                if self._late:
+                    late = {slot: self._late.pop(slot) for slot in slots if slot in self._late}
+                    slots = [slot for slot in slots if slot not in late]
+                deque(map(self._claims.pop, slots, itertools.repeat(None)), maxlen=0)
+            slots = []
+            for slot, grads in late.items():
+                try:
+                    incoming = grads[0] if len(grads) == 1 else torch.stack(grads).sum(0)
+                    if slot.installed and not slot.engine_owned:
+                        self._store_alone(slot, incoming, slot.param.grad)
+                finally:
+                    slots.append(slot)
+
     @deferring_releases
     def flush(self) -> None:
-        """Store every gradient still waiting in a bucket."""
-        for bucket in list(self._buckets.values()):
-            bucket.task = None
-            self._store_bucket(bucket)
+        """Store every gradient a backward that raised left waiting in a bucket.
 
+        Those of running backwards are theirs to store, when they end.
+        """
+        with self._lock:
+            orphans = self._adopt_orphans(None)
+        self._store_orphans(orphans)
+
+    @deferring_releases
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
         """Hand the gradients of ``params`` to ``consumer`` as soon as they are stored.
 
         Backward stores a bucket (or a large gradient) and calls ``consumer`` with its
         parameters at once, their ``.grad`` set; ``None`` ends it. A consumer runs inside
-        backward, under ``torch.no_grad()``.
+        backward, under ``torch.no_grad()``, on the thread that stored the gradients.
         """
-        for param in params:
-            slot = self._slots.get(id(param))
-            if slot is None:
-                continue
-            self._consumed += (consumer is not None) - (slot.consumer is not None)
-            slot.consumer = consumer
+        with self._lock:
+            for param in params:
+                slot = self._slots.get(id(param))
+                if slot is None:
+                    continue
+                self._consumed += (consumer is not None) - (slot.consumer is not None)
+                slot.consumer = consumer
 
     @deferring_releases
     def run_as_storage_work(self, work: Callable[[], None]) -> None:
@@ -301,10 +504,11 @@ class GradientStorage:
         """Let go of the parameters ``holder`` holds.
 
         Those no optimizer holds any more lose their hook and get their true float32 gradient
-        back (what waits in a bucket is stored first). Called in the middle of storage work, it
-        runs when that work ends.
+        back (what a backward that raised left waiting is stored first). Called in the middle
+        of this thread's storage work, or while a running backward holds one of their
+        gradients, it runs when that ends.
         """
-        if self.working:
+        if self.work.running():
             self.waiting_releases.append(holder)
             return
         self._release_now(holder)
@@ -314,59 +518,91 @@ class GradientStorage:
         """``release``, for a finalizer: the garbage collector runs it wherever it happens to run.
 
         Inside a trace (torch.compile's, or any dispatch mode's) the tensors it would make are
-        the trace's; on a thread other than the main one it could run while a backward stores
-        gradients on another. There, and during storage work, it waits: for the end of the
-        next storage work (the next backward that stores a gradient, the next ``step()``) or
-        the next optimizer's construction, whichever comes first.
+        the trace's: there, as during this thread's storage work, it waits for the end of the
+        next storage work (the end of a backward, the next ``step()``) or the next optimizer's
+        construction, whichever comes first.
         """
-        if (
-            self.working
-            or self._backward_under_way()
-            or torch._C._len_torch_dispatch_stack()
-            or threading.current_thread() is not threading.main_thread()
-        ):
+        if self.work.running() or torch._C._len_torch_dispatch_stack():
             self.waiting_releases.append(holder)
             return
         self._release_now(holder)
 
     def release_waiting(self) -> None:
-        """Run the releases that waited, unless inside a trace or a backward (they wait on)."""
-        if self.working or self._backward_under_way() or torch._C._len_torch_dispatch_stack():
+        """Run the releases that waited, unless inside a trace (they wait on)."""
+        if self.work.running() or torch._C._len_torch_dispatch_stack():
             return
-        while self.waiting_releases:
-            self._release_now(self.waiting_releases.popleft())
+        for _ in range(len(self.waiting_releases)):  # those that still cannot run wait again
+            try:
+                holder = self.waiting_releases.popleft()
+            except IndexError:  # another thread ran it
+                return
+            self._release_now(holder)
 
-    def _backward_under_way(self) -> bool:
-        """Whether a backward has gradients waiting for its end in a bucket.
-
-        A release there would store them early, in other buckets than the backward alone makes.
-        """
-        return any(bucket.task is not None for bucket in self._buckets.values())
-
+    @deferring_releases
     def _release_now(self, holder: set[int]) -> None:
-        self.flush()
+        while True:
+            with self._lock:
+                leaving = [
+                    slot
+                    for key in holder
+                    if (slot := self._slots.get(key)) is not None and slot.holders == 1
+                ]
+                # Claim every slot that goes: a hook under way then leaves the gradient to
+                # autograd. One a running backward holds makes the release wait for it.
+                taken, owner = [], None
+                for slot in leaving:
+                    owner = self._claims.setdefault(slot, _RELEASING)
+                    if owner != _RELEASING:
+                        break
+                    taken.append(slot)
+                else:
+                    owner = None
+                if owner is None:
+                    self._let_go(holder, leaving)
+                    return
+                for slot in taken:
+                    del self._claims[slot]
+                if self._running(owner):
+                    self.waiting_releases.append(holder)
+                    return
+                orphans = self._adopt_orphans(owner)
+            self._store_orphans(orphans)  # what a backward that raised left: stored first
+
+    def _let_go(self, holder: set[int], leaving: list[Slot]) -> None:
+        """Drop ``holder``'s hold; uninstall ``leaving``, claimed. Called with the lock held."""
         for key in holder:
             slot = self._slots.get(key)
-            if slot is None:
-                continue
-            slot.holders -= 1
-            if slot.holders == 0:
-                self._uninstall(slot)
+            if slot is not None:
+                slot.holders -= 1
         holder.clear()
+        for slot in leaving:
+            try:
+                self._uninstall(slot)
+            finally:
+                del self._claims[slot]
         if not self._slots:  # nothing left to store: give the buffers back
             self._bucket_store.clear()
-            self._buckets.clear()
 
     def _uninstall(self, slot: Slot) -> None:
         self._consumed -= slot.consumer is not None
+        slot.installed = False
+        slot.bucket = None
         for handle in slot.handles:
             handle.remove()
         param = slot.param
-        if param.grad is not None and not param.grad.is_sparse and not slot.engine_owned:
-            true = self.true_grad(param)
-            assert true is not None, "release() stored what waited: param.grad is still set"
+        grad = param.grad
+        if grad is not None and not grad.is_sparse and not slot.engine_owned:
+            true = grad.to(torch.float32, copy=True)
+            scale = self.scale_of(param)
+            if scale is not None:
+                true.div_(scale)
             param.grad = true.to(param.dtype)
-        param.grad_dtype = slot.original_grad_dtype
+        # A parameter converted since (``model.half()``) gets its new dtype's default, which its
+        # .grad has now. A release must not raise (a finalizer runs it, at exit too): where
+        # torch still refuses the dtype, the parameter keeps accepting any (``None``).
+        converted = param.dtype != torch.float32
+        with contextlib.suppress(RuntimeError):
+            param.grad_dtype = param.dtype if converted else slot.original_grad_dtype
         del self._slots[id(param)]
         if _managed.get(param) is self:
             del _managed[param]

@@ -1,23 +1,39 @@
 """Storage work: what an optimizer's release, coming in the middle of it, waits for.
 
 Optimizers let go of their parameters from a finalizer, which runs whenever the garbage
-collector does, possibly inside the storage's own work. ``deferring_releases`` marks that work.
+collector does, possibly inside the storage's own work on the same thread. ``deferring_releases``
+marks that work; ``StorageWork`` counts it per thread.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
 from ._eager import run_eagerly
 
 
+class StorageWork(threading.local):
+    """How deep the current thread is in the storage's work (each thread has its own count).
+
+    Owned by a thread: a release that comes from the garbage collector in the middle of this
+    thread's storage work waits for it to end; other threads' work does not concern it.
+    """
+
+    depth = 0  # the class attribute is each thread's start
+
+    def running(self) -> bool:
+        """Whether the current thread is inside storage work."""
+        return self.depth > 0
+
+
 class DefersReleases(Protocol):
     """A storage whose work ``deferring_releases`` marks."""
 
-    working: int  # storage work running (nested calls count each)
-    waiting_releases: Any  # the releases that came during it
+    work: StorageWork  # storage work running on each thread (nested calls count each)
+    waiting_releases: Any  # the releases that came where they could not run
 
     def release_waiting(self) -> None: ...
 
@@ -27,20 +43,23 @@ def deferring_releases(method: Callable[..., Any]) -> Callable[..., Any]:
 
     Optimizers let go of their parameters from a finalizer, which runs whenever the garbage
     collector does: inside a store, or inside the consumer a store calls (an update of
-    ``step_in_backward``, which may compile). Storing there would store again what is being
-    stored, or call that consumer from inside itself. The release runs when the outermost
-    such method returns (``GradientStorage.release_waiting``).
+    ``step_in_backward``, which may compile), or while the storage's lock is held. Releasing
+    there would store again what is being stored, call that consumer from inside itself, or
+    wait for a lock its own thread holds. The release runs when the thread's outermost such
+    method returns (``GradientStorage.release_waiting``).
     """
 
     @functools.wraps(method)
     def working(self: DefersReleases, *args: Any, **kwargs: Any) -> Any:
-        self.working += 1
+        work = self.work
+        depth = work.depth
+        work.depth = depth + 1
         try:
             return method(self, *args, **kwargs)
         finally:
-            self.working -= 1
-            if not self.working and self.waiting_releases:
+            work.depth = depth
+            if not depth and self.waiting_releases:
                 self.release_waiting()
 
-    run_eagerly(working)  # the end of a backward calls ``flush`` from the frame that ran it
+    run_eagerly(working)  # the end of a backward calls ``finish`` from the frame that ran it
     return working

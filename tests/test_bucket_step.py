@@ -218,6 +218,24 @@ def test_a_bucket_shared_with_another_optimizer_takes_the_reference_path():
         second.zero_grad()
 
 
+def test_a_bucket_whose_gradients_were_cleared_is_not_taken_while_its_buffer_lives():
+    # Its views are gone and every .grad is None, but something else (another thread's step
+    # scanning the stored buckets, here a reference kept by hand) holds the 16-bit buffer.
+    params = params_of([(3, 4), (5,), (17,)], 0)
+    opt = mixedopt.SGD(params, lr=0.1, momentum=0.9)
+    for step in range(2):  # the second step's bucket has momentum state: a whole bucket
+        backward(params, step)
+        opt.step()
+    backward(params, 2)
+    buffer = params[0].grad._base
+    assert buffer is not None and all(p.grad._base is buffer for p in params)
+    opt.zero_grad()
+    before = [p.detach().clone() for p in params]
+    assert whole_buckets_of(opt) == []
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before, strict=True))
+
+
 def test_a_gradient_changed_in_place_takes_the_reference_path():
     def halve_one(params):
         params[0].grad.mul_(0.5)
