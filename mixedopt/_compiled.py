@@ -9,6 +9,7 @@ functional update) is the reference these kernels are tested against.
 from __future__ import annotations
 
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -214,6 +215,13 @@ def optional(value: float) -> Tensor | None:
 
 _compiled: dict[Callable[..., None], Callable[..., None]] = {}
 _unavailable_reason: str | None = None
+# Compiled kernels are called one at a time in the process. A torch.compile'd function is not
+# safe to enter from several threads at once in torch 2.13: its entry keeps process-wide state
+# (fullgraph's count of compiled frames, which then raises "found no compiled frames"), and
+# dynamo's lookup of its compiled variants fails guards that hold under a concurrent call and
+# compiles again; a compile makes ``torch.compiler.is_compiling()``, which is process-wide,
+# true for every thread's torch.optim update while it lasts (docs/design.md, "Who owns what").
+_calling = threading.Lock()
 
 
 def compiled(kernel: Callable[..., None]) -> Callable[..., None]:
@@ -248,6 +256,12 @@ RECOMPILE_LIMIT = 64
 _over_limit: set[Callable[..., None]] = set()  # warned about
 
 
+# Steps inside ``recompiles_allowed``, on every thread, and the settings it replaced.
+_allowing_lock = threading.Lock()
+_allowing = 0
+_saved_settings: tuple[int, bool] | None = None
+
+
 @contextlib.contextmanager
 def recompiles_allowed() -> Iterator[None]:
     """The context ``run`` calls must be made in: dynamo's recompile limit at ``RECOMPILE_LIMIT``.
@@ -255,17 +269,27 @@ def recompiles_allowed() -> Iterator[None]:
     Entered once around a step's calls, not per call. Sizes that happen to be equal when a
     kernel compiles are not taken to be equal for good (no "duck" shapes): ``run_each``'s
     parameters have unrelated sizes, which would otherwise compile again the first time they
-    differ. The two settings are set and restored as ``config.patch()`` does (the values are
-    context-local), without its machinery, which costs more than the step's other Python here.
+    differ. The two settings are process-wide: the first step to enter sets them and the last
+    to leave restores them, so that steps on several threads at once neither see them
+    restored under them nor leave them changed. Without ``config.patch()``'s machinery, which
+    costs more than the step's other Python here.
     """
+    global _allowing, _saved_settings
     dynamo = torch._dynamo.config
     fx = torch.fx.experimental._config  # type: ignore[attr-defined]
-    saved = dynamo.recompile_limit, fx.use_duck_shape
-    dynamo.recompile_limit, fx.use_duck_shape = RECOMPILE_LIMIT, False
+    with _allowing_lock:
+        if _allowing == 0:
+            _saved_settings = dynamo.recompile_limit, fx.use_duck_shape
+            dynamo.recompile_limit, fx.use_duck_shape = RECOMPILE_LIMIT, False
+        _allowing += 1
     try:
         yield
     finally:
-        dynamo.recompile_limit, fx.use_duck_shape = saved
+        with _allowing_lock:
+            _allowing -= 1
+            if _allowing == 0 and _saved_settings is not None:
+                dynamo.recompile_limit, fx.use_duck_shape = _saved_settings
+                _saved_settings = None
 
 
 # Large parameters updated by one compiled call of ``run_each``. Fewer are padded with scratch
@@ -334,8 +358,10 @@ def _run(kernel: Callable[..., None], arguments: tuple[Any, ...]) -> bool:
     global _unavailable_reason
     if _unavailable_reason is not None:
         return False
+    function = compiled(kernel)
     try:
-        compiled(kernel)(*arguments)
+        with _calling:
+            function(*arguments)
     except torch._dynamo.exc.BackendCompilerFailed as error:
         # Compilation fails before anything is written: the caller falls back safely.
         _unavailable_reason = str(error).splitlines()[0]
