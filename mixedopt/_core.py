@@ -9,6 +9,8 @@ See docs/design.md, "The step".
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 import weakref
 from collections.abc import Callable
@@ -22,13 +24,14 @@ from ._choice import Implementation, fused_requested, implementation
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
 from ._in_backward import InBackwardState, UpdatingBackward, grad_scaler_error
-from ._packing import Workspace
+from ._packing import Entry, Workspace
 from ._reference_step import user_stacklevel
 from ._rules import UpdateRules
 from ._stages import StepStages
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
+_dtype_of = operator.attrgetter("dtype")
 
 
 class MixedPrecisionOptimizer(torch.optim.Optimizer):
@@ -294,6 +297,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         Returns:
             False, having updated nothing, where a gradient is inf or NaN; True otherwise.
         """
+        self._check_dtypes(by_group)
         collected = self._stages.collect(by_group, self.max_grad_norm)  # as step() takes them
         if not collected:
             return True
@@ -351,6 +355,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             self._warned_changed_in_place = stages.reference.warn_if_changed_in_place(
                 collected.entries()
             )
+        if not self._warned_compiled_autograd and compiled_autograd_is_on():
+            self._warn_if_hooks_were_traced(collected.entries())
         # 2. Each gradient's factor to its true value, and the skip on inf or NaN.
         scaling = stages.scaling(collected, grad_scale, found_inf, self.max_grad_norm)
         if scaling.grad_norm is not None:
@@ -379,23 +385,57 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         self._skipped_on_device += skip
 
     def _check_before_step(self, found_inf: Tensor | None) -> None:
-        """What ``step()`` refuses or warns about before it collects anything."""
+        """What ``step()`` refuses before it collects anything."""
         self._check_fused_devices()
-        if not self._warned_compiled_autograd and compiled_autograd_is_on():
-            self._warned_compiled_autograd = True
-            warnings.warn(
-                "mixedopt: compiled autograd (torch._dynamo.config.compiled_autograd) traces "
-                "the backward into one graph, where mixedopt leaves the gradients float32 "
-                "until step(): the steps are right, but no gradient memory is saved. Turn it "
-                f"off to have the gradients stored in {self.grad_dtype}.",
-                UserWarning,
-                stacklevel=user_stacklevel(),
-            )
+        self._check_dtypes(self.param_groups)
         if self._in_backward.updated:
             self._in_backward.updated = False
             # GradScaler found no gradient: the backward had used them, scaled.
             if found_inf is not None and not torch.is_tensor(found_inf):
                 raise grad_scaler_error(self)
+
+    def _check_dtypes(self, groups: list[Any]) -> None:
+        """Refuse parameters that are no longer float32 (``model.half()`` after construction).
+
+        ``groups`` holds parameter groups (dicts) or lists of parameters. One pass in C per
+        group in the common case, where every parameter is float32.
+        """
+        for index, group in enumerate(groups):
+            params = group["params"] if isinstance(group, dict) else group
+            if all(map(operator.is_, map(_dtype_of, params), itertools.repeat(torch.float32))):
+                continue
+            changed = next(p for p in params if p.dtype != torch.float32)
+            name = type(self).__name__
+            raise RuntimeError(
+                f"mixedopt.{name}: a parameter of group {index} is now {changed.dtype}; it was "
+                "float32 when the optimizer was built (model.half() or .to(dtype) after "
+                "construction?). mixedopt keeps float32 master weights: convert the model back "
+                "with model.float(), or build the optimizer after converting it, and use "
+                "torch.autocast for low-precision compute"
+            )
+
+    def _warn_if_hooks_were_traced(self, entries: list[Entry]) -> None:
+        """Warn once when compiled autograd left float32 gradients on parameters it manages.
+
+        Compiled autograd traces the backward into one graph, where the storage's hooks are
+        traced as doing nothing: the gradients reach ``step()`` in float32 (true values, and
+        the steps are right), and no memory is saved. Only gradients that did arrive so say
+        so: with the flag on but the gradients stored in 16 bits, nothing is said.
+        """
+        storage = self._grad_storage
+        if not any(
+            e.grad.dtype == torch.float32 and e.param in storage and not e.sharded for e in entries
+        ):
+            return
+        self._warned_compiled_autograd = True
+        warnings.warn(
+            "mixedopt: compiled autograd (torch._dynamo.config.compiled_autograd) traced the "
+            "backward into one graph, where mixedopt leaves the gradients float32 until "
+            "step(): the steps are right, but no gradient memory is saved. Turn it off to have "
+            f"the gradients stored in {self.grad_dtype}.",
+            UserWarning,
+            stacklevel=user_stacklevel(),
+        )
 
     # ------------------------------------------------------------------ per optimizer
 

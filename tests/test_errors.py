@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import OPTIMIZERS, autocast_backward, small_model
@@ -118,3 +121,36 @@ def test_max_grad_norm_is_a_global_attribute():
     opt.step()
     assert opt.max_grad_norm == 1e-3
     assert opt.last_grad_norm > 1e-3
+
+
+def test_a_parameter_converted_after_construction_is_refused_at_the_next_step():
+    model = nn.Linear(4, 3)
+    opt = mixedopt.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    model.half()
+    with pytest.raises(RuntimeError, match=r"now torch\.float16.*model\.float\(\)"):
+        opt.step()
+    assert not opt.state  # nothing was updated
+
+
+def test_letting_go_of_a_parameter_converted_after_construction_does_not_raise():
+    model = nn.Linear(4, 3)
+    opt = mixedopt.AdamW(model.parameters())
+    model(torch.randn(2, 4)).sum().backward()
+    model.half()
+    opt.remove_grad_storage()
+    assert model.weight.grad.dtype == torch.float16 == model.weight.grad_dtype
+
+
+def test_an_optimizer_of_a_converted_model_alive_at_exit_prints_nothing():
+    # Its finalizer lets go of the parameters at interpreter exit (weakref's atexit hook).
+    script = """
+import torch, mixedopt
+model = torch.nn.Linear(4, 3)
+opt = mixedopt.AdamW(model.parameters())
+model(torch.randn(2, 4)).sum().backward()
+model.half()
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0
+    assert result.stderr == ""
