@@ -373,3 +373,45 @@ def test_floor_script_times_each_variant_doing_torchs_update():
     moved = dict(re.findall(r"^- (.+): (\S+)$", result.stdout, re.M))
     assert list(moved) == names[1:]
     assert all(float(value) == 0.0 for value in moved.values()), moved
+
+
+def test_thread_benchmark_prints_a_throughput_row_per_thread_count():
+    argv = ["--threads", "1,2", "--iterations", "3", "--rounds", "1", "--layers", "2"]
+    done = run_module("mixedopt.bench.threads", [*argv, "--width", "16"], timeout=120)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "torch.set_num_threads(1)" in done.stdout
+    rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$", done.stdout, re.M)
+    assert [int(row[0]) for row in rows] == [1, 2], done.stdout
+    for _, theirs, ours, ratio in rows:
+        assert float(theirs) > 0 and float(ours) > 0
+        assert float(ratio) == pytest.approx(float(theirs) / float(ours), rel=0.05)
+    assert "warning:" not in done.stdout and "error:" not in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["--threads", "1,0"], ["--threads", "1,x"], ["--rounds", "0"]])
+def test_thread_benchmark_refuses_bad_counts(argv, capsys):
+    from mixedopt.bench import threads as bench_threads
+
+    with pytest.raises(SystemExit) as exit_info:
+        bench_threads.main(argv)
+    assert exit_info.value.code == 2
+    assert f"argument {argv[0]}:" in capsys.readouterr().err
+
+
+def test_thread_benchmark_shows_errors_and_weights_that_are_not_finite(monkeypatch, capsys):
+    from mixedopt.bench import threads as bench_threads
+
+    class Failing(torch.optim.SGD):
+        def step(self, closure=None):
+            raise RuntimeError("boom\nsecond line")
+
+    pair, _ = bench_threads.OPTIMIZERS["sgd"]
+    torch_sgd, _ = small.PAIRS[pair]
+    monkeypatch.setitem(small.PAIRS, pair, (torch_sgd, lambda p: Failing(p, lr=1e-3)))
+    monkeypatch.setattr(bench_threads.Trainer, "finite", lambda self: False)
+    argv = ["--optimizer", "sgd", "--threads", "2", "--iterations", "2", "--rounds", "2"]
+    assert bench_threads.main([*argv, "--warmup", "1", "--layers", "1", "--width", "8"]) == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\| 2 \| [\d.]+ \| error: RuntimeError: boom \| – \|$", out, re.M), out
+    assert "error: 2 thread(s), mixedopt: RuntimeError: boom" in out
+    assert "weights not finite in the mixedopt model(s) of thread(s) 0, 1 (0-based)" in out

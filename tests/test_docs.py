@@ -438,7 +438,7 @@ def documented_flags() -> dict[str, set[str]]:
 
 
 COMMANDS = ["mixedopt", "mixedopt.bench", "mixedopt.bench.small", "mixedopt.bench.launches"]
-COMMANDS.append("mixedopt.bench.in_backward")
+COMMANDS += ["mixedopt.bench.in_backward", "mixedopt.bench.threads"]
 
 
 def help_of(module: str, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> str:
