@@ -16,12 +16,13 @@ import torch
 from torch import Tensor
 
 from ._bucket_store import GroupIndex, WholeBucket
+from ._budget import budget
 from ._choice import Implementation, fused_requested, implementation
 from ._default_step import stored_batches, upcast_stored
-from ._packing import Workspace, budget
 from ._rules import UpdateRules
 from ._scales import any_non_finite
 from ._storage import GradientStorage
+from ._workspace import Workspace
 
 
 class WholeBucketPath:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _packing
-from ._packing import ROW, LayoutCache, RowLayout, StoredRows, ViewRuns
+from ._budget import budget
+from ._rows import ROW, LayoutCache, RowLayout, StoredRows, ViewRuns
 from ._scales import StorageScales
 from ._slots import Bucket, Slot
 
@@ -284,7 +284,7 @@ class BucketStore:
             inverse = self._scales.inverse([slots[i] for i in added], earlier)
             torch._foreach_addcmul_([views[i] for i in added], earlier, inverse)
         # Largest magnitude per tensor (NaN and inf propagate), then the scales.
-        on_host = _packing.budget(device).on_host
+        on_host = budget(device).on_host
         if on_host:
             # Two reductions rather than abs(): no temporary of the bucket's size, and many
             # times faster on a CPU than an inf-norm per row.

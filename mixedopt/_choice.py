@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._packing import CPU_SMALL, budget, dense
+from ._budget import CPU_SMALL, budget
+from ._strides import dense
 
 
 class Implementation(enum.Enum):

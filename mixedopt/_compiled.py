@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._packing import budget
+from ._budget import budget
 
 
 def _write(destination: Tensor, new: Tensor, skip: Tensor | None) -> None:

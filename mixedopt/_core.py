@@ -23,12 +23,13 @@ from torch.optim.optimizer import _device_dtype_check_for_fused
 from ._choice import Implementation, fused_requested, implementation
 from ._distributed import is_dtensor
 from ._eager import compiled_autograd_is_on
+from ._entries import Entry
 from ._in_backward import InBackwardState, UpdatingBackward, grad_scaler_error
-from ._packing import Entry, Workspace
 from ._reference_step import user_stacklevel
 from ._rules import UpdateRules
 from ._stages import StepStages
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
+from ._workspace import Workspace
 
 _UNSUPPORTED_FLAGS = ("capturable", "differentiable")
 _dtype_of = operator.attrgetter("dtype")

@@ -14,17 +14,12 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._budget import budget
 from ._distributed import local
-from ._packing import (
-    Entry,
-    StoredRows,
-    Workspace,
-    budget,
-    dense_order,
-    dense_strides,
-    flat_view,
-    view_in,
-)
+from ._entries import Entry
+from ._rows import StoredRows
+from ._strides import dense_order, dense_strides, flat_view, view_in
+from ._workspace import Workspace
 
 # The parent's functional update: (params, grads, states by key, step counters).
 Update = Callable[[list[Tensor], list[Tensor], dict[str, list[Any]], list[Tensor]], None]

@@ -15,11 +15,14 @@ import torch
 from torch import Tensor
 
 from . import _compiled
+from ._budget import budget
 from ._choice import Implementation, fused_requested, implementation
 from ._default_step import StoredRowsLookup, default_update
 from ._distributed import is_dtensor, local
-from ._packing import Entry, Workspace, budget, by_device, dense_order, flat_view, packs
+from ._entries import Entry, by_device, packs
 from ._rules import UpdateRules
+from ._strides import dense_order, flat_view
+from ._workspace import Workspace
 
 
 def _aliases(param: Tensor, tensors: list[Tensor], workspace: Workspace) -> list[Tensor]:

@@ -17,13 +17,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _packing
+from ._budget import budget
 from ._default_step import default_update
 from ._distributed import full_values, is_dtensor
-from ._packing import Entry, Workspace, by_device, dense_order, flat_view
+from ._entries import Entry, by_device
 from ._rules import UpdateRules
 from ._scales import abs_max, any_non_finite
 from ._storage import SUPPORTED_GRAD_DTYPES, GradientStorage
+from ._strides import dense_order, flat_view
+from ._workspace import Workspace
 
 _LIBRARY_DIRS = (os.path.dirname(__file__), os.path.dirname(torch.__file__))
 
@@ -42,7 +44,7 @@ def user_stacklevel() -> int:
 
 def _l2_norm(grad: Tensor) -> Tensor:
     """L2 norm in float32, slice by slice: no float32 copy of a whole large gradient."""
-    capacity = _packing.budget(grad.device).capacity
+    capacity = budget(grad.device).capacity
     # A sharded (DTensor) gradient: its own norm, a value to be reduced over ranks (full_values).
     order = None if grad.numel() <= capacity or is_dtensor(grad) else dense_order(grad)
     flat = None if order is None else flat_view(grad, order)
@@ -187,7 +189,7 @@ class ReferencePath:
     def _stored_norms(entries: list[Entry], device: torch.device) -> Tensor:
         """The float32 L2 norm of each stored gradient (a 1-D tensor on ``device``)."""
         norms: list[Tensor | None] = [None] * len(entries)
-        capacity = _packing.budget(device).capacity
+        capacity = budget(device).capacity
         together = [
             i
             for i, e in enumerate(entries)

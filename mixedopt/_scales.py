@@ -14,9 +14,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from . import _packing
-from ._packing import IndexCache, dense_order, flat_view
+from ._budget import budget
+from ._rows import IndexCache
 from ._slots import Slot
+from ._strides import dense_order, flat_view
 
 # The stored tensor's largest magnitude lands in [2**(E-1), 2**E): 256x headroom below float16's
 # largest value, and 2**-22 of it still a normal float16 number.
@@ -164,7 +165,7 @@ class StorageScales:
         stored = torch.empty_strided(
             param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
         )
-        if _packing.budget(true.device).on_host:
+        if budget(true.device).on_host:
             # Reading a value costs nothing on a CPU: the scale is found on the host, and the
             # gradient scaled in pieces through the staging buffer where that is faster.
             amax = abs_max_on_host(true)
@@ -225,7 +226,7 @@ def _scale_into(
     multiplication and a rounding copy, small enough to stay in a core's cache between the two.
     Both round the same float32 products.
     """
-    size = min(SCRATCH_PIECE, _packing.budget(true.device).capacity)
+    size = min(SCRATCH_PIECE, budget(true.device).capacity)
     numel = true.numel()
     order = dense_order(stored) if numel > size else None
     flat_stored = None if order is None else flat_view(stored, order)

@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import _packing
+from ._budget import budget
 from ._eager import run_eagerly
-from ._packing import dense_strides
+from ._strides import dense_strides
 
 # Takes parameters whose gradients were just stored (``GradientStorage.set_consumer``).
 Consumer = Callable[[list[Tensor]], None]
@@ -134,7 +134,7 @@ class Bucket:
     )
 
     def __init__(self, device: torch.device) -> None:
-        limits = self.limits = _packing.budget(device)
+        limits = self.limits = budget(device)
         self.device = device
         self.capacity = limits.capacity  # elements, in whole rows
         self.small = limits.bucket_small  # the largest gradient that waits in a bucket

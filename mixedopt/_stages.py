@@ -13,14 +13,15 @@ from typing import Any, NamedTuple
 
 from torch import Tensor
 
-from . import _packing
 from ._bucket_step import WholeBucketPath
 from ._bucket_store import WholeBucket
+from ._budget import budget
+from ._entries import Entry
 from ._fused_step import FusedPath
-from ._packing import Entry, Workspace
 from ._reference_step import ReferencePath
 from ._rules import UpdateRules
 from ._storage import GradientStorage
+from ._workspace import Workspace
 
 
 class Collected(NamedTuple):
@@ -117,7 +118,7 @@ class StepStages:
         fused = all(self.fused.takes(group, chosen) for group, chosen in steps) and all(
             self.fused.takes(groups[index], []) for index in bucket_groups
         )
-        on_device = fused and not on_host and not _packing.budget(skip.device).on_host
+        on_device = fused and not on_host and not budget(skip.device).on_host
         return Scaling(factors, unscale, skip, fused, on_device, norm)
 
     def update(self, collected: Collected, scaling: Scaling) -> None:

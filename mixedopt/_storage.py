@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import _packing
 from ._bucket_store import BucketStore, GroupIndex, WholeBucket
+from ._budget import Budget, budget
 from ._distributed import ddp_managed, process_group_exists
 from ._eager import run_eagerly
-from ._packing import ROW, StoredRows, rows_for
+from ._rows import ROW, StoredRows, rows_for
 from ._scales import StorageScales
 from ._slots import Backward, Bucket, Consumer, Slot
 from ._storage_work import StorageWork, deferring_releases
@@ -282,7 +282,7 @@ class GradientStorage:
             self._backward(task)
             device = incoming.device
             numel = incoming.numel()
-            limits = _packing.budget(device)
+            limits = budget(device)
             small = numel <= limits.bucket_small
             bucket = self._bucket_for(task, slot, device, limits) if small else None
         if bucket is None:
@@ -306,9 +306,7 @@ class GradientStorage:
         param.grad = incoming  # true values until stored, as torch.optim would have them
         return (None,)  # taken: autograd stores nothing
 
-    def _bucket_for(
-        self, task: int, slot: Slot, device: torch.device, limits: _packing.Budget
-    ) -> Bucket:
+    def _bucket_for(self, task: int, slot: Slot, device: torch.device, limits: Budget) -> Bucket:
         """The bucket ``task`` fills on ``slot``'s device, armed at its first gradient there.
 
         The slot's own bucket when it is free (a training loop's next backward arms the same

@@ -12,7 +12,7 @@ iteration by iteration (``mixedopt.bench.small.time_in_turns``), on the same mod
 * ``minimal store``: those hooks record the parameter; at the end of backward one
   ``_foreach_copy_`` gathers the gradients into a float32 buffer, one conversion rounds it to
   float16, and each ``p.grad`` is set to a view of it (made as mixedopt makes them,
-  ``_packing.ViewRuns``). ``step()`` upcasts the buffer with one operation and calls torch's
+  ``_rows.ViewRuns``). ``step()`` upcasts the buffer with one operation and calls torch's
   functional ``sgd(foreach=True)``. No scale, no inf/NaN check, no bookkeeping: float16 loses
   small gradients this way (a store needs a scale per tensor), so it is a floor, not an
   optimizer.
@@ -40,8 +40,9 @@ from torch import Tensor
 from torch.optim.sgd import sgd
 
 import mixedopt
-from mixedopt._packing import ROW, RowLayout, ViewRuns, contiguous_strides
+from mixedopt._rows import ROW, RowLayout, ViewRuns
 from mixedopt._scales import any_non_finite, power_of_two_scale
+from mixedopt._strides import contiguous_strides
 from mixedopt.bench import small
 
 LR, MOMENTUM = 1e-3, 0.9

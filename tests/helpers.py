@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
+import mixedopt._budget
 import mixedopt._in_backward
-import mixedopt._packing
 
 OPTIMIZERS = {
     "RMSprop": (mixedopt.RMSprop, torch.optim.RMSprop),
@@ -157,7 +157,7 @@ def setting(owner, name, value):
 
 def slice_elements(n):
     """Make step() cut the gradients into slices of ``n`` elements (on the CPU)."""
-    return setting(mixedopt._packing, "CPU_CAPACITY", n)
+    return setting(mixedopt._budget, "CPU_CAPACITY", n)
 
 
 # Accelerators' budgets, small enough for small tensors, given to the CPU: every branch mixedopt
@@ -166,14 +166,14 @@ def slice_elements(n):
 # skip decided on the device by fused=True) runs on the CPU. Gradients of more than 16 elements
 # are stored alone.
 ACCELERATOR_BUDGETS = {
-    "accelerator, joined batches": mixedopt._packing.accelerator_budget(128, 16, 16, 1 << 20),
-    "accelerator, pieces of 40": mixedopt._packing.accelerator_budget(128, 16, 16, 40),
+    "accelerator, joined batches": mixedopt._budget.accelerator_budget(128, 16, 16, 1 << 20),
+    "accelerator, pieces of 40": mixedopt._budget.accelerator_budget(128, 16, 16, 40),
 }
 
 
 def accelerator_budget(name="accelerator, joined batches"):
     """Give the CPU an accelerator's budget for the block (``ACCELERATOR_BUDGETS``)."""
-    return setting(mixedopt._packing, "CPU_BUDGET", ACCELERATOR_BUDGETS[name])
+    return setting(mixedopt._budget, "CPU_BUDGET", ACCELERATOR_BUDGETS[name])
 
 
 def packing(choice):

@@ -1,6 +1,6 @@
 """The accelerator path run on the CPU: an accelerator's budget given to the CPU.
 
-What an accelerator changes (``_packing.Budget.on_host`` false): a gradient stored alone finds
+What an accelerator changes (``_budget.Budget.on_host`` false): a gradient stored alone finds
 its scale with tensor operations (four launches), a bucket is rounded into 16 bits with one
 multiplication, the default step takes batches of up to ``piece`` elements (64 Mi on a GPU:
 whole buckets joined, parameters cut only when larger), keeps no buffer larger than a bucket
@@ -24,15 +24,15 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
+import mixedopt._budget
 import mixedopt._compiled
-import mixedopt._packing
-from mixedopt._packing import accelerator_budget
+from mixedopt._budget import accelerator_budget
 
 
 def on_accelerator(capacity=4096, small=1024, batch=1 << 20):
     """The CPU with an accelerator's budget: gradients of more than ``small`` stored alone."""
     return setting(
-        mixedopt._packing, "CPU_BUDGET", accelerator_budget(capacity, small, small, batch)
+        mixedopt._budget, "CPU_BUDGET", accelerator_budget(capacity, small, small, batch)
     )
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import mixedopt
-import mixedopt._packing
+import mixedopt._budget
 from mixedopt._bucket_step import WholeBucketPath
 
 TAKE = WholeBucketPath.take
@@ -112,8 +112,8 @@ def test_whole_buckets_update_as_the_reference_path_does(
         return OPTIMIZERS[name][0](groups, grad_dtype=grad_dtype, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(mixedopt._packing, "CPU_CAPACITY", capacity)  # one bucket or several
-        patch.setattr(mixedopt._packing, "CPU_SMALL", small)  # 12: larger gradients alone
+        patch.setattr(mixedopt._budget, "CPU_CAPACITY", capacity)  # one bucket or several
+        patch.setattr(mixedopt._budget, "CPU_SMALL", small)  # 12: larger gradients alone
         fast = train(make, shapes, seed, 3, backwards, whole_buckets=True)
         reference = train(make, shapes, seed, 3, backwards, whole_buckets=False)
     assert_same(fast, reference)
@@ -267,8 +267,8 @@ def test_step_in_backward_takes_whole_buckets_as_the_reference_path_does(name):
         params = params_of([(3, 4), (5,), (64,), (17,)], 0)
         opt = OPTIMIZERS[name][0](params, lr=1e-3)
         with pytest.MonkeyPatch.context() as patch, counted_whole_buckets(whole_buckets) as taken:
-            patch.setattr(mixedopt._packing, "CPU_CAPACITY", 128)  # buckets of a few gradients
-            patch.setattr(mixedopt._packing, "CPU_SMALL", 16)  # (64,) and (17,) stored alone
+            patch.setattr(mixedopt._budget, "CPU_CAPACITY", 128)  # buckets of a few gradients
+            patch.setattr(mixedopt._budget, "CPU_SMALL", 16)  # (64,) and (17,) stored alone
             for step in range(3):
                 with opt.step_in_backward():
                     backward(params, step)

@@ -12,8 +12,9 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 import mixedopt
+import mixedopt._budget
 import mixedopt._default_step
-import mixedopt._packing
+import mixedopt._rows
 from mixedopt._bucket_step import WholeBucketPath
 
 
@@ -31,17 +32,17 @@ def test_buckets_store_what_storing_each_gradient_alone_stores(
     bucketed, alone = params_of(shapes, seed), params_of(shapes, seed)
     opt = mixedopt.SGD(bucketed, lr=0.1)
     reference = mixedopt.SGD(alone, lr=0.1)
-    saved = mixedopt._packing.CPU_CAPACITY, mixedopt._packing.CPU_SMALL
+    saved = mixedopt._budget.CPU_CAPACITY, mixedopt._budget.CPU_SMALL
     try:
         # Buckets are set up at their first backward: each optimizer gets its own sizes.
-        mixedopt._packing.CPU_CAPACITY, mixedopt._packing.CPU_SMALL = capacity, capacity
+        mixedopt._budget.CPU_CAPACITY, mixedopt._budget.CPU_SMALL = capacity, capacity
         for i in range(backwards):
             backward(bucketed, [magnitudes[(i + j) % 4] for j in range(len(shapes))], seed + i)
-        mixedopt._packing.CPU_SMALL = -1  # every gradient is stored alone
+        mixedopt._budget.CPU_SMALL = -1  # every gradient is stored alone
         for i in range(backwards):
             backward(alone, [magnitudes[(i + j) % 4] for j in range(len(shapes))], seed + i)
     finally:
-        mixedopt._packing.CPU_CAPACITY, mixedopt._packing.CPU_SMALL = saved
+        mixedopt._budget.CPU_CAPACITY, mixedopt._budget.CPU_SMALL = saved
     for p, q in zip(bucketed, alone, strict=True):
         assert p.grad.dtype == q.grad.dtype == torch.float16
         assert p.grad.stride() == q.grad.stride()
@@ -53,14 +54,14 @@ def test_a_bucket_stored_after_a_large_gradient_stores_what_storing_each_alone_s
     monkeypatch,
 ):
     """A large gradient is scaled through the staging buffer: the next bucket zeroes it first."""
-    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 128)
-    monkeypatch.setattr(mixedopt._packing, "CPU_SMALL", 64)
+    monkeypatch.setattr(mixedopt._budget, "CPU_CAPACITY", 128)
+    monkeypatch.setattr(mixedopt._budget, "CPU_SMALL", 64)
     shapes = [(3,), (300,), (5,)]  # autograd reaches (5,) first, then (300,), stored alone
     bucketed, alone = params_of(shapes, 0), params_of(shapes, 0)
     opt = mixedopt.SGD(bucketed, lr=0.1)
     for i in range(2):
         backward(bucketed, [-3, 3, -3], i)  # the large gradient's values dwarf the others
-    monkeypatch.setattr(mixedopt._packing, "CPU_SMALL", -1)  # every gradient is stored alone
+    monkeypatch.setattr(mixedopt._budget, "CPU_SMALL", -1)  # every gradient is stored alone
     reference = mixedopt.SGD(alone, lr=0.1)
     for i in range(2):
         backward(alone, [-3, 3, -3], i)
@@ -78,7 +79,7 @@ def test_gradients_are_stored_when_backward_returns():
 
 
 def test_a_bucket_that_fills_is_stored_during_backward(monkeypatch):
-    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 128)
+    monkeypatch.setattr(mixedopt._budget, "CPU_CAPACITY", 128)
     params = params_of([(64,)] * 5, 0)
     opt = mixedopt.Adam(params)
     seen = []
@@ -194,7 +195,7 @@ def test_backward_holds_16_bit_gradients_and_a_bounded_float32_transient():
     """docs/grad.md's bound: 16-bit gradients, plus 3 x capacity float32 elements (12 MiB)."""
     elements = COUNT * NUMEL
     assert backward_peak("torch") >= 3.5 * elements  # the measurement sees float32 gradients
-    assert backward_peak("mixedopt") <= 2 * elements + 3 * 4 * mixedopt._packing.CPU_CAPACITY
+    assert backward_peak("mixedopt") <= 2 * elements + 3 * 4 * mixedopt._budget.CPU_CAPACITY
 
 
 @given(
@@ -220,7 +221,7 @@ def test_views_made_per_run_are_those_made_one_by_one(kinds, gaps, transposed):
         offsets.append(at)
         at += shape.numel() + gap  # uneven spacing splits runs
     buffer = torch.arange(at + 8, dtype=torch.float16)[2:]  # a buffer with an offset of its own
-    runs = mixedopt._packing.ViewRuns(shapes, strides, offsets)
+    runs = mixedopt._rows.ViewRuns(shapes, strides, offsets)
     for view, shape, stride, offset in zip(
         runs.views(buffer), shapes, strides, offsets, strict=True
     ):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import mixedopt
+from mixedopt._budget import CPU_SMALL, budget
 from mixedopt._choice import Implementation, implementation
-from mixedopt._packing import CPU_SMALL, budget
 
 SMALL = budget(torch.device("cpu")).fused_small
 

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import mixedopt
+import mixedopt._budget
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -130,8 +131,8 @@ OPTIONS = {
 @pytest.fixture
 def small_packs(monkeypatch):
     """Packs of at most 256 elements, and parameters of more than 20 elements updated alone."""
-    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 256)
-    monkeypatch.setattr(mixedopt._packing, "CPU_SMALL", 20)
+    monkeypatch.setattr(mixedopt._budget, "CPU_CAPACITY", 256)
+    monkeypatch.setattr(mixedopt._budget, "CPU_SMALL", 20)
 
 
 @pytest.mark.parametrize("options", ["defaults", "options"])
@@ -651,7 +652,7 @@ def test_fused_step_on_cuda_of_large_parameters_in_one_bucket_compiles_one_graph
     100 elements): the two calls of nine parameters see different mixes of offsets, which
     compiled a graph each before the aliases started at offset 0.
     """
-    monkeypatch.setattr(mixedopt._packing, "ACCELERATOR_FUSED_SMALL", 100)
+    monkeypatch.setattr(mixedopt._budget, "ACCELERATOR_FUSED_SMALL", 100)
     torch._dynamo.reset()
     torch.manual_seed(0)
     data = [torch.randn(n, device="cuda") for n in range(300, 1200, 100)]

@@ -22,7 +22,7 @@ COUNT = 16
 MEASURE = """
 library, name, fused, numel, count, batch = sys.argv[1:7]
 if int(batch):  # an accelerator's budget, batches of ``batch`` elements in the default step
-    mixedopt._packing.CPU_BUDGET = mixedopt._packing.accelerator_budget(
+    mixedopt._budget.CPU_BUDGET = mixedopt._budget.accelerator_budget(
         1 << 22, 1 << 20, 1 << 20, int(batch)
     )
 kwargs = {"momentum": 0.9} if name == "SGD" else {}

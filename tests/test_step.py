@@ -17,6 +17,7 @@ from helpers import (
 from torch import nn
 
 import mixedopt
+import mixedopt._budget
 
 
 def snapshot(opt, params):
@@ -368,7 +369,7 @@ def test_torch_compile_of_step_with_fullgraph_refuses_pointing_to_fused():
 @pytest.mark.parametrize("grad_dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_one_gradient_is_upcast_as_the_rows_of_a_batch_are(shape, layout, grad_dtype):
     from mixedopt._default_step import Batch, _upcast_one, _upcast_rows
-    from mixedopt._packing import Workspace
+    from mixedopt._workspace import Workspace
 
     torch.manual_seed(0)
     param = torch.randn(shape)
@@ -392,7 +393,7 @@ def test_one_gradient_is_upcast_as_the_rows_of_a_batch_are(shape, layout, grad_d
 def test_a_large_parameter_whose_gradient_has_another_layout_steps_as_torch_does(name, monkeypatch):
     # Larger than a batch, so that step() would cut it, but its gradient is not in its layout:
     # it is updated whole.
-    monkeypatch.setattr(mixedopt._packing, "CPU_CAPACITY", 64)
+    monkeypatch.setattr(mixedopt._budget, "CPU_CAPACITY", 64)
     torch.manual_seed(0)
     weight = torch.randn(24, 16)
     kwargs = {"lr": 0.1, "momentum": 0.9} if name == "SGD" else {"lr": 0.1}

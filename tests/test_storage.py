@@ -442,7 +442,7 @@ def test_a_gradient_stored_alone_is_the_same_scaled_at_once_or_in_pieces(
         opt = mixedopt.SGD([p], lr=0.1)
         (p * g).sum().backward()
         scale = opt._grad_storage.scale_of(p)
-        assert p.grad.numel() > mixedopt._packing.budget(p.device).bucket_small  # stored alone
+        assert p.grad.numel() > mixedopt._budget.budget(p.device).bucket_small  # stored alone
         assert p.grad.stride() == p.stride()
         torch.testing.assert_close(p.grad, (g * scale).half(), rtol=0, atol=0)
         stored[piece] = p.grad

@@ -28,7 +28,7 @@ OPTIMIZERS = {
     "AdamW": (mixedopt.AdamW, {"lr": 1e-2}),
     "SGD": (mixedopt.SGD, {"lr": 1e-2, "momentum": 0.9}),
 }
-# Largest weight of a bucket on a CPU is 32Ki elements (``_packing.CPU_SMALL``): the 192 x 192
+# Largest weight of a bucket on a CPU is 32Ki elements (``_budget.CPU_SMALL``): the 192 x 192
 # weight (36864) is stored alone, the others wait in a bucket.
 WIDTHS = (16, 64, 64, 192, 192, 4)
 BATCH = 8
