@@ -245,7 +245,7 @@ class GradientStorage:
                     self._late.setdefault(slot, []).append(incoming)
                     return (None,)
                 orphans = self._adopt_orphans(owner)
-            self._store_orphans(orphans)  # a backward that raised left it waiting: stored first
+            self._store_and_free(orphans)  # a backward that raised left it waiting: stored first
         try:
             return self._take_claimed(slot, incoming, task)
         except BaseException:
@@ -347,17 +347,16 @@ class GradientStorage:
 
         A backward that raised ran no end-of-backward callback: its ``Backward`` is dead, and its
         waiting buckets are anyone's to store. A claim with no ``Backward`` yet is a hook's, on
-        its way to ``_take``. Called with the lock held.
+        its way to ``_take`` (or a release's, ``_RELEASING``). Called with the lock held.
         """
-        if owner == _RELEASING:
-            return True
         backward = self._backwards.get(owner)
         return backward is None or backward() is not None
 
     def _adopt_orphans(self, task: int | None) -> list[Bucket]:
         """Take the buckets of ended backwards (``task``'s, or all) out of those being filled.
 
-        The caller stores them (``_store_orphans``), outside the lock. Called with the lock held.
+        The caller stores them (``_store_and_free``), outside the lock. Called with the lock
+        held.
         """
         orphans = []
         for key, bucket in list(self._filling.items()):
@@ -377,8 +376,8 @@ class GradientStorage:
                 del self._backwards[ended]
         return orphans
 
-    def _store_orphans(self, buckets: list[Bucket]) -> None:
-        """Store buckets taken by ``_adopt_orphans``, then free them for other backwards."""
+    def _store_and_free(self, buckets: list[Bucket]) -> None:
+        """Store buckets no backward fills any more, then free them for the next backwards."""
         try:
             for bucket in buckets:
                 self._store_bucket(bucket)
@@ -399,11 +398,7 @@ class GradientStorage:
             for bucket in buckets:
                 del self._filling[(task, bucket.device)]
             self._backwards.pop(task, None)
-        try:
-            for bucket in buckets:
-                self._store_bucket(bucket)
-        finally:
-            self._free(buckets)
+        self._store_and_free(buckets)
 
     @deferring_releases  # a finalizer may run in the middle of it
     @torch.no_grad()
@@ -459,7 +454,7 @@ class GradientStorage:
         """
         with self._lock:
             orphans = self._adopt_orphans(None)
-        self._store_orphans(orphans)
+        self._store_and_free(orphans)
 
     @deferring_releases
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
@@ -564,7 +559,7 @@ class GradientStorage:
                     self.waiting_releases.append(holder)
                     return
                 orphans = self._adopt_orphans(owner)
-            self._store_orphans(orphans)  # what a backward that raised left: stored first
+            self._store_and_free(orphans)  # what a backward that raised left: stored first
 
     def _let_go(self, holder: set[int], leaving: list[Slot]) -> None:
         """Drop ``holder``'s hold; uninstall ``leaving``, claimed. Called with the lock held."""
