@@ -389,6 +389,14 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """What ``step()`` refuses before it collects anything."""
         self._check_fused_devices()
         self._check_dtypes(self.param_groups)
+        running = self._grad_storage.held_by_other_backwards(self._held_params)
+        if running:
+            raise RuntimeError(
+                f"mixedopt.{type(self).__name__}.step(): a backward still running (on another "
+                f"thread) holds the gradient of {running} of its parameter(s), not stored yet; "
+                "wait for that backward to end (join its thread) before step(), as torch.optim "
+                "needs too"
+            )
         if self._in_backward.updated:
             self._in_backward.updated = False
             # GradScaler found no gradient: the backward had used them, scaled.

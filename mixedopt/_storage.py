@@ -106,6 +106,21 @@ class GradientStorage:
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
 
+    def held_by_other_backwards(self, held: set[int]) -> int:
+        """How many parameters of ``held`` (ids) have a gradient another backward still holds.
+
+        Claimed by a running backward other than the current thread's, and not stored yet.
+        """
+        if not self._claims:  # between backwards, the common case
+            return 0
+        current = _current_backward()
+        with self._lock:
+            return sum(
+                1
+                for slot, owner in self._claims.items()
+                if owner != current and id(slot.param) in held and self._running(owner)
+            )
+
     def holders(self, param: Tensor) -> int:
         """How many optimizers hold ``param`` (0: its gradient is not stored here)."""
         slot = self._slots.get(id(param))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import gc
 import random
+import threading
 
 import pytest
 import torch
@@ -30,6 +31,8 @@ from threaded import (
     run_alone,
     run_together,
 )
+
+import mixedopt
 
 # Repetitions of each stress test (marked slow: the README's test command and CI run them).
 TRIALS = 50
@@ -272,3 +275,43 @@ def test_overlapping_backwards_of_one_model_add_every_gradient_once():
 def test_two_overlapping_backwards_of_one_model_add_every_gradient_once():
     # The quick loop's share of the test above.
     overlapping_micro_batches(3)
+
+
+class Waiting(torch.autograd.Function):
+    """The identity, whose backward waits for ``release`` (set when it has started)."""
+
+    started = threading.Event()
+    release = threading.Event()
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        Waiting.started.set()
+        assert Waiting.release.wait(timeout=60)
+        return grad
+
+
+def test_step_while_a_backward_of_its_parameters_runs_on_another_thread_is_refused():
+    # The backward has claimed the first parameter's gradient (waiting in its bucket, float32)
+    # when it stops in Waiting's backward, before the second's: step() would see half a
+    # backward's gradients. torch.optim races there; mixedopt says so, and changes nothing.
+    first, second = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+    opt = mixedopt.SGD([first, second], lr=0.1)
+    loss = (Waiting.apply(second * 2.0) + first).sum()
+    Waiting.started.clear()
+    Waiting.release.clear()
+    thread = threading.Thread(target=loss.backward)
+    thread.start()
+    try:
+        assert Waiting.started.wait(timeout=60)
+        with pytest.raises(RuntimeError, match="backward still running.*1 of its parameter"):
+            opt.step()
+        assert torch.equal(first, torch.ones(4)) and torch.equal(second, torch.ones(4))
+    finally:
+        Waiting.release.set()
+        thread.join(timeout=60)
+    opt.step()  # once it has ended
+    assert torch.equal(first, torch.full((4,), 0.9)) and torch.equal(second, torch.full((4,), 0.8))
