@@ -115,9 +115,11 @@ class GradientStorage:
             return 0
         current = _current_backward()
         with self._lock:
+            # A copy in one step: hooks claim slots without the lock.
+            claims = list(self._claims.items())
             return sum(
                 1
-                for slot, owner in self._claims.items()
+                for slot, owner in claims
                 if owner != current and id(slot.param) in held and self._running(owner)
             )
 
@@ -380,7 +382,8 @@ class GradientStorage:
                 orphans.append(bucket)
         if task is not None:
             # A claim whose gradient is in none of its buckets (a hook interrupted between
-            # its claim and its bucket) ends with its backward.
+            # its claim and its bucket) ends with its backward. (The claims are copied in one
+            # step, ``list``: hooks claim slots without the lock.)
             for slot, owner in list(self._claims.items()):
                 if owner == task and not any(slot in bucket.slots for bucket in orphans):
                     del self._claims[slot]
