@@ -219,7 +219,8 @@ class BucketStore:
         self._staging: dict[torch.device, list[Staging]] = {}
         self._layouts = LayoutCache()
         self._plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan] = {}
-        # id(stats) -> the buckets stored, while their gradients live; under ``_stored_lock``.
+        # id(stats) -> the buckets stored, while their gradients live; changed under
+        # ``_stored_lock`` (by stores, and ``clear``), read in one step.
         self._stored: dict[int, StoredBucket] = {}
         self._stored_lock = threading.Lock()
 
@@ -347,8 +348,9 @@ class BucketStore:
         """
         if not self._stored:
             return [], groups.with_grad()
-        with self._stored_lock:
-            records = list(self._stored.values())
+        # A copy in one step (``list``), without the lock, which only stores take: a release
+        # that the garbage collector runs here (not storage work) may clear the records.
+        records = list(self._stored.values())
         whole = []
         taken = 0
         for record in records:

@@ -79,7 +79,9 @@ class GradientStorage:
 
     def __init__(self, grad_dtype: torch.dtype) -> None:
         self.grad_dtype = grad_dtype
-        self._lock = threading.Lock()  # the bookkeeping below; taken inside storage work only
+        # The bookkeeping below. Taken inside storage work only (``deferring_releases``): a
+        # finalizer that an allocation runs while it is held must not take it again.
+        self._lock = threading.Lock()
         self._slots: dict[int, Slot] = {}
         self._unchecked: list[Slot] = []  # not looked up yet for a distributed engine
         self._engines_looked_up_in = -2  # the backward (graph task) that last looked them up
@@ -106,6 +108,7 @@ class GradientStorage:
     def __contains__(self, param: Tensor) -> bool:
         return id(param) in self._slots
 
+    @deferring_releases  # a finalizer run by an allocation under the lock waits
     def held_by_other_backwards(self, held: set[int]) -> int:
         """How many parameters of ``held`` (ids) have a gradient another backward still holds.
 
