@@ -433,7 +433,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         storage = self._grad_storage
         if not any(
-            e.grad.dtype == torch.float32 and e.param in storage and not e.sharded for e in entries
+            e.grad.dtype == torch.float32
+            and e.param in storage
+            and not storage.left_to_engine(e.param)  # DDP's stay float32 by design
+            and not e.sharded
+            for e in entries
         ):
             return
         self._warned_compiled_autograd = True
