@@ -321,7 +321,7 @@ class BucketStore:
         record = StoredBucket(stats, stored, plan, slots)
         with self._stored_lock:
             found = self._stored
-            for key in [k for k, record in found.items() if record.stored() is None]:
+            for key in [k for k, old in found.items() if old.stored() is None]:
                 del found[key]
             found[id(stats)] = record
 
