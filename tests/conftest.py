@@ -1,7 +1,7 @@
 import os
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 # CI runs every property 200 times; locally a quicker profile. Deadlines are off: a first call
 # into torch can take far longer than the following ones.
@@ -13,6 +13,16 @@ settings.register_profile(
     print_blob=True,
 )
 settings.register_profile("dev", max_examples=30, deadline=None)
+# tests/test_mutations.py: the same examples every run, a failure reported as found.
+settings.register_profile(
+    "mutations",
+    max_examples=100,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=[Phase.explicit, Phase.generate],
+    suppress_health_check=[HealthCheck.too_slow],
+)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 # Markers, by test module: ``pytest -m "not slow"`` is the quick loop of a change (a minute);
@@ -26,6 +36,7 @@ MODULE_MARKERS = {
     "test_fused": ("slow",),  # torch.compile
     "test_launches": ("slow",),  # counts whole training iterations of several models
     "test_memory": ("slow",),  # peaks measured in child processes
+    "test_mutations": ("slow",),  # the parity tests, run on broken copies of the library
     "test_notebooks": ("slow", "notebooks"),  # executes the notebooks
     "test_optim_db": ("slow",),  # PyTorch's own optimizer tests
 }

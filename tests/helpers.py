@@ -189,10 +189,10 @@ def update_batch(n):
 
 
 class Twins:
-    """The same parameters under a mixedopt optimizer and under a reference optimizer.
-
-    The reference is the torch.optim parent unless ``reference`` builds another one (from the
-    parameters and the scenario's keyword arguments).
+    """The same parameters under ``fused=True`` and under a reference path: the same mixedopt
+    optimizer on its default path, unless ``reference`` builds another (from the parameters
+    and the scenario's keyword arguments). Both get their gradients from the same backward.
+    (Parity with torch.optim itself: ``parity.Trio``.)
     """
 
     def __init__(self, name, kwargs, shapes, seed, reference=None, **extra):
@@ -201,27 +201,18 @@ class Twins:
         data = [torch.randn(shape, generator=generator) for shape in shapes]
         self.params = [nn.Parameter(d.clone()) for d in data]
         self.ref_params = [nn.Parameter(d.clone()) for d in data]
-        mixed_cls, torch_cls = OPTIMIZERS[name]
+        mixed_cls = OPTIMIZERS[name][0]
         self.opt = mixed_cls(self.params, **kwargs, **extra)
-        self.ref = (reference or torch_cls)(self.ref_params, **kwargs)
+        self.ref = (reference or mixed_cls)(self.ref_params, **kwargs)
         self.largest = {}  # id of a reference tensor -> largest magnitude it has held
 
-    def backward(self, magnitude, scaler=None):
-        """Store a gradient through autograd; return the float32 gradients it stands for."""
-        loss = 0
-        for p in self.params:
-            g = torch.randn(p.shape, generator=self.generator) * 10.0**magnitude
-            loss = loss + (p * g).sum()
-        loss_scale = 1.0
-        if scaler is not None:
-            loss = scaler.scale(loss)
-            loss_scale = scaler.get_scale()
-        loss.backward()
-        return [self.opt.true_grad(p) / loss_scale for p in self.params]
-
-    def feed_reference(self, grads):
-        for q, g in zip(self.ref_params, grads, strict=True):
-            q.grad = g.clone()
+    def backward(self, magnitude):
+        """One backward on each side, of gradients of ``10**magnitude`` (the same on both)."""
+        grads = [
+            torch.randn(p.shape, generator=self.generator) * 10.0**magnitude for p in self.params
+        ]
+        for params in (self.params, self.ref_params):
+            sum((p * g).sum() for p, g in zip(params, grads, strict=True)).backward()
 
     def zero_grad(self):
         self.opt.zero_grad()

@@ -72,8 +72,7 @@ def test_fused_step_matches_the_default_path(s, max_grad_norm, inject_nan):
     )
     twins.ref.max_grad_norm = max_grad_norm
     for step in range(s["steps"] + 1):  # the first step runs the default path
-        grads = twins.backward(s["magnitudes"][step % len(s["magnitudes"])])
-        twins.feed_reference(grads)
+        twins.backward(s["magnitudes"][step % len(s["magnitudes"])])
         if inject_nan and step == s["steps"] and twins.params[0].numel() > 0:
             twins.params[0].grad.view(-1)[0] = float("nan")
             twins.ref_params[0].grad.view(-1)[0] = float("nan")
@@ -144,7 +143,7 @@ def test_fused_packs_and_single_parameters_match_the_default_path(name, options,
         p.data = p.data.t().contiguous().t()  # same values, column-major
     assert not twins.params[1].is_contiguous()
     for magnitude in (-3, 0, -7, 2):
-        twins.feed_reference(twins.backward(magnitude))
+        twins.backward(magnitude)
         twins.opt.step()
         twins.ref.step()
         twins.assert_equal(scale_ulps=8)
@@ -271,7 +270,7 @@ def test_large_parameters_share_compiled_calls_and_match_the_default_path(
     for step, magnitude in enumerate((-3, 0, -7, 2)):
         if step == 2:  # the first fused step (the second) has compiled
             calls = compiled_calls(twins.opt, monkeypatch)
-        twins.feed_reference(twins.backward(magnitude))
+        twins.backward(magnitude)
         twins.opt.step()
         twins.ref.step()
         twins.assert_equal(scale_ulps=8)
@@ -357,7 +356,7 @@ def test_fused_running_averages_with_weights_of_a_half_or_more_match_the_default
     """torch.lerp switches formula at weight 0.5 (1 - beta1, 1 - alpha); so do the kernels."""
     twins = Twins(name, dict(lr=0.01, **kwargs), [(6,), (3, 4)], 4, unfused(name), fused=True)
     for magnitude in (-2, 0, -4):
-        twins.feed_reference(twins.backward(magnitude))
+        twins.backward(magnitude)
         twins.opt.step()
         twins.ref.step()
         twins.assert_equal(scale_ulps=8)
@@ -416,7 +415,7 @@ def test_fused_step_follows_a_parameter_moved_to_new_memory(name):
             for p in twins.params:
                 p.data = p.data.clone()
             twins.opt.load_state_dict(twins.opt.state_dict())
-        twins.feed_reference(twins.backward(-2))
+        twins.backward(-2)
         twins.opt.step()
         twins.ref.step()
         twins.assert_equal(scale_ulps=8)
@@ -428,12 +427,12 @@ def test_fused_kernels_given_a_skip_flag_keep_weights_and_state_when_it_is_set(n
     """The accelerator variant (skip decided on the device), run here on the CPU."""
     kwargs = dict(lr=0.01, **OPTIONS[name])
     twins = Twins(name, kwargs, [(6,), (3, 4)], seed=3, reference=unfused(name), fused=True)
-    twins.feed_reference(twins.backward(-1))
+    twins.backward(-1)
     twins.opt.step()  # the first step creates the state (on the default path)
     twins.ref.step()
     twins.zero_grad()
     for skip in (False, True, False):
-        twins.feed_reference(twins.backward(-1))
+        twins.backward(-1)
         if skip:
             weights = [p.detach().clone() for p in twins.params]
             state = copy.deepcopy(twins.opt.state_dict()["state"])
