@@ -24,7 +24,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from helpers import ACCELERATOR_BUDGETS, OPTIMIZERS, SHAPES, hyperparameters, packing
+from helpers import (
+    ACCELERATOR_BUDGETS,
+    EPS32,
+    NOISE_ULPS,
+    OPTIMIZERS,
+    SHAPES,
+    hyperparameters,
+    packing,
+)
 from hypothesis import strategies as st
 from torch import Tensor, nn
 
@@ -36,12 +44,6 @@ import mixedopt
 # float16's subnormal ones, by less). bfloat16: 8 significant bits, each element off by at most
 # 2**-8 of itself.
 UNIT = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
-
-# float32 noise: the twin runs compute the same values with other kernels (torch's for-loop
-# update where mixedopt runs the foreach one, fused=True's compiled kernels, a gradient norm
-# summed in another order), each a few float32 roundings of the largest term apart.
-NOISE_ULPS = 4
-EPS32 = 2.0**-23
 
 
 def stored_as_documented(grad: Tensor, grad_dtype: torch.dtype = torch.float16) -> Tensor:

@@ -84,24 +84,43 @@ STEPPED = f"mixedopt.Adam, {in_backward.STEPPED}"
 
 
 def bytes_per_param(mode, forward="float32"):
+    """Bytes per parameter at the iteration's peak, and the number of parameters."""
     (found,) = in_backward.memory_table(modes=[mode], forwards=[forward])[mode].values()
     assert "error" not in found, found["error"]
     assert found["params"] >= 64_000_000
-    return found["bytes_per_param"]
+    return found["bytes_per_param"], found["params"]
 
 
-def test_updating_backward_peak_is_at_most_12_5_bytes_per_parameter():
-    assert bytes_per_param(IN_BACKWARD) <= 12.5
+# An updating backward holds the weights (4 B/param) and Adam's state (8 B/param), and beyond
+# them an amount that does not grow with the model, set by the documented budgets: the 16-bit
+# gradients waiting for an update (4Mi elements: 8 MiB), the float32 bucket in flight and the
+# staging buffer (4 MiB each on a CPU), one layer's float32 gradient from autograd (4 MiB here),
+# the step's float32 batch and the temporaries of torch's update of it (512Ki elements: 2 MiB
+# each): 26 MiB. Measured on a 2-core Intel Xeon (2026-12-05): 23.8 MiB with a float32 forward,
+# 29.1 MiB under mixedopt.autocast (a float16 copy of each weight is made again in backward).
+# The bound leaves 14 MiB of headroom above the budgets for what the allocator and the
+# interpreter keep, which differ between machines; holding every gradient (2 B/param, 128 MiB
+# here) exceeds it several times.
+WEIGHTS_AND_STATE = 12
+BEYOND = 40 * MiB
+
+
+def test_updating_backward_holds_weights_state_and_a_fixed_amount_beyond():
+    found, params = bytes_per_param(IN_BACKWARD)
+    assert (found - WEIGHTS_AND_STATE) * params <= BEYOND
 
 
 def test_the_measurement_sees_the_float16_gradients_of_backward_then_step():
-    assert bytes_per_param(STEPPED) >= 13.5
+    found, params = bytes_per_param(STEPPED)
+    assert (found - WEIGHTS_AND_STATE) * params >= BEYOND + 64 * MiB
 
 
-def test_updating_backward_under_mixedopt_autocast_peak_is_at_most_12_5_bytes_per_parameter():
+def test_updating_backward_under_mixedopt_autocast_holds_a_fixed_amount_beyond_weights_and_state():
     """torch.autocast's float16 weight copies (2 B/param) are not kept for backward."""
-    assert bytes_per_param(IN_BACKWARD, "mixedopt.autocast") <= 12.5
+    found, params = bytes_per_param(IN_BACKWARD, "mixedopt.autocast")
+    assert (found - WEIGHTS_AND_STATE) * params <= BEYOND
 
 
 def test_the_measurement_sees_the_weight_copies_torch_autocast_keeps():
-    assert bytes_per_param(IN_BACKWARD, "torch.autocast") >= 13.5
+    found, params = bytes_per_param(IN_BACKWARD, "torch.autocast")
+    assert (found - WEIGHTS_AND_STATE) * params >= BEYOND + 64 * MiB

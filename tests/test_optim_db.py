@@ -51,8 +51,8 @@ import re
 
 import pytest
 import torch
-from helpers import OPTIMIZERS
-from parity import EPS32, NOISE_ULPS, stored_as_documented
+from helpers import EPS32, NOISE_ULPS, OPTIMIZERS
+from parity import stored_as_documented
 from torch import nn
 
 
@@ -120,7 +120,7 @@ def _assert_same(mine, reference, where):
     if isinstance(reference, torch.Tensor):
         if where.endswith("step"):
             assert mine.item() == reference.item(), where  # a step counter, on any device
-        else:  # float32 noise: other kernels computing the same values (parity.NOISE_ULPS)
+        else:  # float32 noise: other kernels computing the same values (helpers.NOISE_ULPS)
             tolerance = NOISE_ULPS * EPS32
             largest = reference.detach().abs().max().item() if reference.numel() else 0.0
             torch.testing.assert_close(

@@ -9,11 +9,13 @@ import pytest
 import torch
 from helpers import (
     OPTIMIZERS,
+    assert_close_to_float32_noise,
     autocast_backward,
     small_model,
     step_both_on_the_same_gradients,
     twin,
 )
+from parity import stored_as_documented
 from torch import nn
 
 import mixedopt
@@ -70,7 +72,7 @@ def test_non_finite_gradient_on_first_step_creates_no_state():
     with pytest.warns(RuntimeWarning):
         opt.step()
     assert len(opt.state[p]) == 0
-    torch.testing.assert_close(p.detach(), torch.ones(3))
+    assert_close_to_float32_noise(p.detach(), torch.ones(3))
 
 
 def test_a_finite_step_after_a_skipped_one_proceeds():
@@ -81,7 +83,7 @@ def test_a_finite_step_after_a_skipped_one_proceeds():
         opt.step()
     p.grad = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float16)
     opt.step()
-    torch.testing.assert_close(p.detach(), torch.zeros(3))
+    assert_close_to_float32_noise(p.detach(), torch.zeros(3))
     assert opt.skipped_steps == 1
 
 
@@ -141,7 +143,7 @@ def test_closure_is_evaluated_with_grad_and_its_loss_returned(name):
         q.grad = opt.true_grad(p)
     ref.step()
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p, q)
+        assert_close_to_float32_noise(p, q)
 
 
 SCHEDULERS = {
@@ -187,7 +189,7 @@ def test_lr_schedulers_work_unchanged_and_without_warnings(name, scheduler):
             assert opt.param_groups[0]["lr"] == ref.param_groups[0]["lr"]
     assert loss.isfinite()
     for p, q in zip(model.parameters(), ref_model.parameters(), strict=True):
-        torch.testing.assert_close(p, q)
+        assert_close_to_float32_noise(p, q)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -251,9 +253,13 @@ def test_last_grad_norm_is_the_true_total_norm():
     p = nn.Parameter(torch.zeros(2))
     q = nn.Parameter(torch.zeros(1))
     opt = mixedopt.SGD([{"params": [p]}, {"params": [q], "lr": 0.5}], lr=0.1, max_grad_norm=1.0)
-    (p * torch.tensor([3e-7, 0.0]) + q * 4e-7).sum().backward()
+    ((p * torch.tensor([3e-7, 0.0])).sum() + (q * 4e-7).sum()).backward()  # 5e-7 in all
     opt.step()
-    torch.testing.assert_close(opt.last_grad_norm, torch.tensor(5e-7))
+    stored = [
+        stored_as_documented(torch.tensor([3e-7, 0.0])),
+        stored_as_documented(torch.tensor([4e-7])),
+    ]
+    assert_close_to_float32_noise(opt.last_grad_norm, torch.linalg.vector_norm(torch.cat(stored)))
 
 
 def test_last_grad_norm_is_not_computed_without_max_grad_norm():
@@ -269,8 +275,8 @@ def test_several_param_groups_keep_their_own_hyperparameters():
     opt = mixedopt.SGD([{"params": [a]}, {"params": [b], "lr": 0.5}], lr=0.1)
     (a + b).sum().backward()
     opt.step()
-    torch.testing.assert_close(a.detach(), torch.full((2,), 0.9))
-    torch.testing.assert_close(b.detach(), torch.full((2,), 0.5))
+    assert_close_to_float32_noise(a.detach(), torch.full((2,), 0.9))
+    assert_close_to_float32_noise(b.detach(), torch.full((2,), 0.5))
 
 
 @pytest.mark.parametrize("shape", [(), (1,), (1, 1)])
@@ -288,7 +294,7 @@ def test_a_tensor_learning_rate_steps_as_torch_optim_on_the_default_path(name, s
     ref = OPTIMIZERS[name][1](reference, lr=torch.tensor(1e-3).reshape(shape))
     step_both_on_the_same_gradients(opt, ref, params, reference)
     for p, q in zip(params, reference, strict=True):
-        torch.testing.assert_close(p, q)
+        assert_close_to_float32_noise(p, q)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
