@@ -30,6 +30,7 @@ from helpers import (
     NOISE_ULPS,
     OPTIMIZERS,
     SHAPES,
+    assert_close_to_float32_noise,
     hyperparameters,
     packing,
 )
@@ -63,6 +64,17 @@ def stored_as_documented(grad: Tensor, grad_dtype: torch.dtype = torch.float16) 
     return (grad * 2.0**k).half().float() / 2.0**k
 
 
+def assert_within_documented_rounding(
+    found: Tensor, exact: Tensor, grad_dtype: torch.dtype = torch.float16
+) -> None:
+    """``found`` differs from ``exact`` by at most one documented rounding (``UNIT`` of the
+    largest magnitude of ``exact``) in every element, and is that rounding, to float32 noise."""
+    if exact.numel():
+        error = (found - exact).abs().max().item()
+        assert error <= UNIT[grad_dtype] * exact.abs().max().item()
+    assert_close_to_float32_noise(found, stored_as_documented(exact, grad_dtype))
+
+
 def accumulated(grads: Sequence[Tensor], grad_dtype: torch.dtype = torch.float16) -> Tensor:
     """What the storage keeps of micro-batch gradients added in ``.grad`` (docs/grad.md):
     each new one added in float32 to the value stored so far, and the sum stored again."""
@@ -70,6 +82,14 @@ def accumulated(grads: Sequence[Tensor], grad_dtype: torch.dtype = torch.float16
     for grad in grads[1:]:
         total = stored_as_documented(total + grad, grad_dtype)
     return total
+
+
+def round_gradients_as_stored(params, grad_dtype: torch.dtype = torch.float16) -> None:
+    """Replace each float32 ``.grad`` of ``params`` by its documented rounding: a twin's
+    gradients as torch.optim should see them to step as mixedopt does."""
+    for q in params:
+        if q.grad is not None:
+            q.grad = stored_as_documented(q.grad, grad_dtype)
 
 
 def gradient_tensors(shapes, magnitudes, spread, generator) -> list[Tensor]:
