@@ -319,10 +319,11 @@ class Trio:
         largest magnitude. A difference ``e`` in a gradient moves a moving average of it by its
         weight times ``e``, and one of its square by its weight times ``(2a + e) e``; SGD's
         weights move by ``lr`` times the difference of their step direction. Adam's and
-        RMSprop's steps divide by a root of the squared average, element by element: an element
-        far below its tensor's largest (rounded to zero, say) may see its step change by as
-        much as the step itself, so their weights (and RMSprop's momentum, which adds those
-        quotients) have no bound relative to the tensor's magnitude: ``None``. Weight decay
+        RMSprop's steps divide by a root of the squared average, element by element: an
+        element's step follows its own gradients' relative precision, not the tensor's
+        magnitude (where its gradients cancel over steps, its error grows with the
+        cancellation), so their weights, and RMSprop's momentum, which adds those quotients,
+        get no bound here: ``None``. Weight decay
         adds ``weight_decay`` times the weights' difference before the step (measured).
         """
         group = self.exact.opt.param_groups[0]
