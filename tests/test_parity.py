@@ -61,6 +61,28 @@ def test_step_in_backward_matches_torch_optim_fed_autograds_gradients(s):
     run_scenario(s, "step_in_backward")
 
 
+@given(scenarios(), st.sampled_from(["default", "fused", "step_in_backward"]))
+def test_the_first_momentum_buffer_is_each_gradient_rounded_as_documented(s, path):
+    """Element by element, bitwise: SGD's first momentum buffer is the gradient it is fed. The
+    other comparisons allow float32 noise relative to each tensor's largest magnitude, under
+    which a different rounding of its smallest elements (float16's subnormal numbers) hides."""
+    s.update(
+        name="SGD",
+        kwargs={"lr": 0.1, "momentum": 0.9, "foreach": s["kwargs"]["foreach"]},
+        steps=1,
+        max_grad_norm=None,  # a coefficient from a norm summed in another order
+        non_finite=None,
+    )
+    if path == "fused":
+        s["kwargs"]["foreach"] = None
+    if path == "step_in_backward":
+        s["loss_scale"] = None
+    trio = run_scenario(s, path)
+    for p, q in zip(trio.mixed.params, trio.rounded.params, strict=True):
+        mine, theirs = trio.mixed.opt.state[p], trio.rounded.opt.state[q]
+        assert torch.equal(mine["momentum_buffer"], theirs["momentum_buffer"])
+
+
 def mlp_under_autocast(seed=0):
     """A model and its micro-batches' losses, each a function of a side's parameters: the
     model's forward under autocast (float16), through ``functional_call``."""
