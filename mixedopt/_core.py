@@ -312,8 +312,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     @property
     def skipped_steps(self) -> int:
-        """Steps skipped because a gradient was inf or NaN (GradScaler's skips included, with
-        float16 gradients: with bfloat16 ones GradScaler skips without calling ``step()``)."""
+        """Steps skipped because a gradient was inf or NaN.
+
+        GradScaler's skips are included with float16 gradients; with bfloat16 ones GradScaler
+        skips without calling ``step()``.
+        """
         on_device = 0 if self._skipped_on_device is None else int(self._skipped_on_device.item())
         return self._skipped_on_host + self._in_backward.skipped + on_device
 

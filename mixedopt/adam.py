@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch.optim.adam import adam
+from torch.optim.optimizer import ParamsT
 
 from ._compiled import adam_kernel, adam_step_coefficients, optional, scalars
 from ._core import MixedPrecisionOptimizer
@@ -48,6 +49,41 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
             groups together to this L2 norm; ``None`` (default): no clipping. New in mixedopt,
             keyword-only.
     """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        amsgrad: bool = False,
+        *,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        decoupled_weight_decay: bool = False,
+        grad_dtype: torch.dtype = torch.float16,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            foreach=foreach,
+            maximize=maximize,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            decoupled_weight_decay=decoupled_weight_decay,
+            grad_dtype=grad_dtype,
+            max_grad_norm=max_grad_norm,
+        )
 
     _compiled_kernel = staticmethod(adam_kernel)
     _parent_has_torch_fused = True

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+from torch.optim.optimizer import ParamsT
 
+from ._core import MixedPrecisionOptimizer
 from .adam import Adam
 
 __all__ = ["AdamW"]
@@ -42,3 +45,38 @@ class AdamW(Adam, torch.optim.AdamW):
             groups together to this L2 norm; ``None`` (default): no clipping. New in mixedopt,
             keyword-only.
     """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        grad_dtype: torch.dtype = torch.float16,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        # Past mixedopt.Adam's, which passes decoupled_weight_decay: torch.optim.AdamW sets it.
+        MixedPrecisionOptimizer.__init__(
+            self,
+            params,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            amsgrad=amsgrad,
+            maximize=maximize,
+            foreach=foreach,
+            capturable=capturable,
+            differentiable=differentiable,
+            fused=fused,
+            grad_dtype=grad_dtype,
+            max_grad_norm=max_grad_norm,
+        )

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 from torch.optim.rmsprop import rmsprop
 
 from ._compiled import optional, rmsprop_kernel, scalars
@@ -53,10 +54,41 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
     _compiled_kernel = staticmethod(rmsprop_kernel)
     _compiled_state_order = ("square_avg", "momentum_buffer", "grad_avg")
 
-    def __init__(self, params: Any, *args: Any, fused: bool | None = None, **kwargs: Any) -> None:
-        if fused and kwargs.get("foreach"):  # as torch.optim.Adam and SGD say
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-2,
+        alpha: float = 0.99,
+        eps: float = 1e-8,
+        weight_decay: float = 0,
+        momentum: float = 0,
+        centered: bool = False,
+        capturable: bool = False,
+        foreach: bool | None = None,
+        maximize: bool = False,
+        differentiable: bool = False,
+        *,
+        fused: bool | None = None,
+        grad_dtype: torch.dtype = torch.float16,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        if fused and foreach:  # as torch.optim.Adam and SGD say
             raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-        super().__init__(params, *args, **kwargs)
+        super().__init__(
+            params,
+            lr=lr,
+            alpha=alpha,
+            eps=eps,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            centered=centered,
+            capturable=capturable,
+            foreach=foreach,
+            maximize=maximize,
+            differentiable=differentiable,
+            grad_dtype=grad_dtype,
+            max_grad_norm=max_grad_norm,
+        )
         if fused is not None:  # without it, the param groups are exactly the parent's
             self.defaults["fused"] = fused
             for group in self.param_groups:

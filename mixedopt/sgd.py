@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.optim.optimizer import ParamsT
 from torch.optim.sgd import sgd
 
 from ._compiled import optional, scalars, sgd_kernel
@@ -45,6 +46,37 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
             groups together to this L2 norm; ``None`` (default): no clipping. New in mixedopt,
             keyword-only.
     """
+
+    def __init__(
+        self,
+        params: ParamsT,
+        lr: float | Tensor = 1e-3,
+        momentum: float = 0,
+        dampening: float = 0,
+        weight_decay: float | Tensor = 0,
+        nesterov: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        grad_dtype: torch.dtype = torch.float16,
+        max_grad_norm: float | None = None,
+    ) -> None:
+        super().__init__(
+            params,
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+            maximize=maximize,
+            foreach=foreach,
+            differentiable=differentiable,
+            fused=fused,
+            grad_dtype=grad_dtype,
+            max_grad_norm=max_grad_norm,
+        )
 
     _compiled_kernel = staticmethod(sgd_kernel)
     _parent_has_torch_fused = True

@@ -276,27 +276,13 @@ def argument_names(parameters: Any, starred: bool = True) -> list[str]:
 
 
 def expected_arguments(obj: Any) -> list[str]:
-    """The arguments a docstring must document.
-
-    A function's or method's own (``self`` aside). An optimizer class: every argument of its
-    ``torch.optim`` parent and of mixedopt's constructors along the way, which pass ``*args``
-    and ``**kwargs`` on to it. Another class (the mixin, ``UpdatingBackward``): its constructor's.
-    """
+    """The arguments a docstring must document: those of its signature (``self`` aside); a
+    class's, its constructor's (an optimizer's are its parent's and mixedopt's own,
+    ``tests/test_signatures.py``)."""
     if isinstance(obj, property):
         return []
-    if not inspect.isclass(obj):
-        parameters = list(inspect.signature(obj).parameters.values())
-        return argument_names(p for p in parameters if p.name != "self")
-    parents = [k for k in obj.__mro__ if k.__module__.startswith("torch.optim.")]
-    parent = next((k for k in parents if k is not torch.optim.Optimizer), None)
-    if parent is None:
-        return argument_names(inspect.signature(obj).parameters.values())
-    names: list[str] = []
-    for klass in obj.__mro__[: obj.__mro__.index(parent) + 1]:
-        if "__init__" in vars(klass) and (defined_in_mixedopt(klass) or klass is parent):
-            parameters = list(inspect.signature(vars(klass)["__init__"]).parameters.values())
-            names += argument_names(parameters[1:], starred=False)
-    return list(dict.fromkeys(names))
+    parameters = list(inspect.signature(obj).parameters.values())
+    return argument_names(p for p in parameters if p.name != "self")
 
 
 def docstring_problems(name: str, obj: Any) -> list[str]:
