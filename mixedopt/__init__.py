@@ -14,10 +14,27 @@ with warnings.catch_warnings():
 
 from ._autocast import autocast  # noqa: E402
 from ._core import MixedPrecisionOptimizer  # noqa: E402
+from .adadelta import Adadelta  # noqa: E402
+from .adagrad import Adagrad  # noqa: E402
 from .adam import Adam  # noqa: E402
+from .adamax import Adamax  # noqa: E402
 from .adamw import AdamW  # noqa: E402
+from .radam import RAdam  # noqa: E402
 from .rmsprop import RMSprop  # noqa: E402
+from .rprop import Rprop  # noqa: E402
 from .sgd import SGD  # noqa: E402
 
-__all__ = ["SGD", "Adam", "AdamW", "MixedPrecisionOptimizer", "RMSprop", "autocast"]
+__all__ = [
+    "SGD",
+    "Adadelta",
+    "Adagrad",
+    "Adam",
+    "AdamW",
+    "Adamax",
+    "MixedPrecisionOptimizer",
+    "RAdam",
+    "RMSprop",
+    "Rprop",
+    "autocast",
+]
 __version__ = "0.1.0"

@@ -67,6 +67,7 @@ class WholeBucketPath:
         """Whether the compiled kernels update ``params`` of a ``fused=True`` group."""
         return (
             fused_requested(group)
+            and self.rules._compiled_kernel is not None
             and implementation(
                 group, params, torch_fused=self.rules._parent_has_torch_fused, compiled=True
             )

@@ -458,7 +458,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
 
     # The compiled update of one parameter or one pack (``_compiled.py``), its state arguments
     # in order, and whether the parent's functional update has a fused implementation.
-    _compiled_kernel: Callable[..., None]
+    _compiled_kernel: Callable[..., None] | None = None  # None: fused=True takes torch's own
     _compiled_state_order: tuple[str, ...] = ()
     _parent_has_torch_fused = False
 

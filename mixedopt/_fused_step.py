@@ -191,7 +191,9 @@ class FusedPath:
         Only once every parameter has its state: the first step runs the default path, which
         creates the state exactly as the parent does (and skips without creating any).
         """
-        if not fused_requested(group) or not _compiled.available():
+        if not fused_requested(group) or self.rules._compiled_kernel is None:
+            return False  # without kernels of its own, torch's fused update on the default path
+        if not _compiled.available():
             return False
         keys = self.rules._state_keys(group)
         return all(key in self.rules.state.get(e.param, {}) for e in entries for key in keys)
@@ -279,8 +281,10 @@ class FusedPath:
                     step = e.state["step"] = step.to(device)
                 steps.append(step)
         coefficients = self.rules._compiled_coefficients(group, torch.stack(steps)) if steps else []
+        kernel = self.rules._compiled_kernel
+        assert kernel is not None  # ``takes`` said so
         left = run_compiled_kernels(
-            self.rules._compiled_kernel,
+            kernel,
             keys,
             self.rules._compiled_state_order,
             entries,

@@ -20,7 +20,7 @@ class UpdateRules(Protocol):
     param_groups: list[dict[str, Any]]
     state: Any  # torch.optim's per-parameter state
     _parent_has_torch_fused: bool  # the parent's functional update has a fused implementation
-    _compiled_kernel: Callable[..., None]  # ``_compiled.py``'s kernel of this optimizer
+    _compiled_kernel: Callable[..., None] | None  # ``_compiled.py``'s kernel, if it has one
     _compiled_state_order: tuple[str, ...]  # its state arguments, in order
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]: ...

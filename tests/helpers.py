@@ -18,12 +18,23 @@ import mixedopt
 import mixedopt._budget
 import mixedopt._in_backward
 
+# The optimizers with mixedopt's compiled kernels (``fused=True``): most tests run on these.
 OPTIMIZERS = {
     "RMSprop": (mixedopt.RMSprop, torch.optim.RMSprop),
     "Adam": (mixedopt.Adam, torch.optim.Adam),
     "AdamW": (mixedopt.AdamW, torch.optim.AdamW),
     "SGD": (mixedopt.SGD, torch.optim.SGD),
 }
+# Every optimizer: the parity properties, PyTorch's configurations and the signatures run on all.
+EVERY_OPTIMIZER = {
+    **OPTIMIZERS,
+    **{
+        name: (getattr(mixedopt, name), getattr(torch.optim, name))
+        for name in ("Adadelta", "Adagrad", "Adamax", "RAdam", "Rprop")
+    },
+}
+# Those whose fused=True is torch's own fused update (no compiled kernels of mixedopt's).
+TORCH_FUSED_ONLY = ("Adagrad",)
 
 
 def small_model(seed: int = 0) -> nn.Module:
@@ -134,6 +145,52 @@ def hyperparameters(draw, name):
             eps=draw(st.sampled_from([1e-8, 1e-3])),
             weight_decay=draw(WEIGHT_DECAY),
             amsgrad=draw(st.booleans()),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "Adamax":
+        return dict(
+            lr=draw(LR),
+            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
+            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "RAdam":
+        return dict(
+            lr=draw(LR),
+            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
+            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            decoupled_weight_decay=draw(st.booleans()),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "Adagrad":
+        return dict(
+            lr=draw(LR),
+            lr_decay=draw(st.sampled_from([0.0, 1e-2])),
+            weight_decay=draw(WEIGHT_DECAY),
+            initial_accumulator_value=draw(st.sampled_from([0.0, 0.1])),
+            eps=draw(st.sampled_from([1e-10, 1e-3])),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "Adadelta":
+        return dict(
+            lr=draw(st.sampled_from([1.0, 0.1])),
+            rho=draw(st.floats(0.5, 0.99)),
+            eps=draw(st.sampled_from([1e-6, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "Rprop":
+        return dict(
+            lr=draw(LR),
+            etas=(draw(st.floats(0.3, 0.9)), draw(st.floats(1.1, 1.5))),
+            step_sizes=(draw(st.sampled_from([1e-6, 1e-4])), draw(st.sampled_from([1.0, 50.0]))),
             foreach=foreach,
             maximize=maximize,
         )

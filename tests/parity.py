@@ -27,9 +27,11 @@ import torch
 from helpers import (
     ACCELERATOR_BUDGETS,
     EPS32,
+    EVERY_OPTIMIZER,
     NOISE_ULPS,
     OPTIMIZERS,
     SHAPES,
+    TORCH_FUSED_ONLY,
     assert_close_to_float32_noise,
     hyperparameters,
     packing,
@@ -165,6 +167,7 @@ class Trio:
         self.weight_largest = [0.0] * len(initial)  # exact's, before this iteration
         self.skipped_now = False  # whether this iteration's step was skipped
         self.clipping_noise = 0.0  # relative difference of the clipping coefficients, summed
+        self.cancellation = 1.0  # see ``_record_cancellation``
         # Per parameter: the bound of each quantity on how far mixed is from exact.
         self.bounds: list[dict[str, float | None]] = [{"weight": 0.0} for _ in initial]
         self.held: dict[int, float] = {}  # id of a reference tensor -> its largest |value|
@@ -265,17 +268,22 @@ class Trio:
         tensor has held (other kernels computing the same values round differently, and
         cancellation can leave a small result next to large terms), and by the relative
         difference of the clipping coefficients, which both sides compute from the norm of the
-        same values summed in other orders (twice that: the squared averages).
+        same values summed in other orders (twice that: the squared averages); for centered
+        RMSprop's weights and momentum, times the cancellation of its variance
+        (``_record_cancellation``).
         """
         # GradScaler leaves a float16 optimizer's step to it, but skips bfloat16 ones without
         # calling step(): those skips are not mixedopt's to count (docs/gradscaler.md).
         counted = self.mixed.scaler is None or self.grad_dtype == torch.float16
         assert self.mixed.opt.skipped_steps == (self.rounded.skipped if counted else 0)
+        self._record_cancellation()
         for key, mine, theirs in self._pairs(self.rounded):
             mine, theirs = mine.detach(), theirs.detach()
             held = self._held(theirs)
             difference = (mine - theirs).abs()
             tolerance = NOISE_ULPS * EPS32 + 2 * self.clipping_noise  # twice: squared averages
+            if key in ("weight", "momentum_buffer"):
+                tolerance *= self.cancellation
             ok = (difference <= tolerance * held) | (mine == theirs)
             ok |= mine.isnan() & theirs.isnan()
             assert ok.all(), f"{key}: {difference[~ok]} > {tolerance} x {held}"
@@ -288,6 +296,22 @@ class Trio:
                 atol=0,
                 equal_nan=True,
             )
+
+    def _record_cancellation(self) -> None:
+        """Centered RMSprop divides by the root of ``square_avg - grad_avg**2``: where the two
+        nearly cancel, a rounding of the terms is that many times larger in the difference,
+        and so in the step (in the weights, and in the momentum that adds the quotients). The
+        largest such factor of the reference's state so far."""
+        group = self.rounded.opt.param_groups[0]
+        if not group.get("centered"):
+            return
+        for q in self.rounded.params:
+            state = self.rounded.opt.state[q]
+            if "grad_avg" in state and q.numel():
+                square = state["square_avg"]
+                variance = square - state["grad_avg"].square()
+                factor = (square / variance.clamp_min(1e-38)).nan_to_num(posinf=0.0).max().item()
+                self.cancellation = max(self.cancellation, factor)
 
     def _held(self, value: Tensor) -> float:
         """The largest magnitude ``value`` (a reference tensor) has held over the run so far."""
@@ -337,13 +361,13 @@ class Trio:
         ``e`` bounds the difference of the gradients the two sides' updates see, ``a`` their
         largest magnitude. A difference ``e`` in a gradient moves a moving average of it by its
         weight times ``e``, and one of its square by its weight times ``(2a + e) e``; SGD's
-        weights move by ``lr`` times the difference of their step direction. Adam's and
-        RMSprop's steps divide by a root of the squared average, element by element: an
-        element's step follows its own gradients' relative precision, not the tensor's
-        magnitude (where its gradients cancel over steps, its error grows with the
-        cancellation), so their weights, and RMSprop's momentum, which adds those quotients,
-        get no bound here: ``None``. Weight decay
-        adds ``weight_decay`` times the weights' difference before the step (measured).
+        weights move by ``lr`` times the difference of their step direction. The other
+        optimizers' steps divide element by element (by a root of a squared average, Adamax by
+        an infinity norm, Rprop by following signs): an element's step follows its own
+        gradients' relative precision, not the tensor's magnitude (where its gradients cancel
+        over steps, its error grows with the cancellation), so their weights, and state that
+        adds such quotients, get no bound here: ``None``. Weight decay that is added to the
+        gradient adds ``weight_decay`` times the weights' difference before the step (measured).
         """
         group = self.exact.opt.param_groups[0]
         name = type(self.exact.opt).__name__
@@ -352,26 +376,44 @@ class Trio:
             bounds, state = self.bounds[i], self.exact.opt.state[q]
             e = mine * self.gradient_bound[i] + abs(mine - theirs) * self.gradient_largest[i]
             a = theirs * self.gradient_largest[i]
-            decay = group["weight_decay"] if name != "AdamW" else 0.0
+            decoupled = name == "AdamW" or group.get("decoupled_weight_decay", False)
+            decay = 0.0 if decoupled else group.get("weight_decay", 0.0)
             e += decay * self.weight_error[i]
             a += decay * self.weight_largest[i]
             if name == "SGD":
                 bounds["weight"] = self._sgd_bounds(group, bounds, e, "momentum_buffer" in state)
                 continue
-            bounds["weight"] = None
-            if name in ("Adam", "AdamW"):
-                beta1, beta2 = group["betas"]
-                bounds["exp_avg"] = beta1 * bounds.get("exp_avg", 0.0) + (1 - beta1) * e
-                square = beta2 * bounds.get("exp_avg_sq", 0.0) + (1 - beta2) * (2 * a + e) * e
-                bounds["exp_avg_sq"] = square
-                if group["amsgrad"]:
-                    bounds["max_exp_avg_sq"] = max(bounds.get("max_exp_avg_sq", 0.0), square)
-            else:  # RMSprop
-                alpha = group["alpha"]
-                square = alpha * bounds.get("square_avg", 0.0) + (1 - alpha) * (2 * a + e) * e
-                bounds["square_avg"] = square
-                bounds["grad_avg"] = alpha * bounds.get("grad_avg", 0.0) + (1 - alpha) * e
-                bounds["momentum_buffer"] = None
+            bounds["weight"] = None  # see above
+            for key in state:
+                if key != "step":
+                    bounds[key] = self._state_bound(name, key, group, bounds, e, a)
+
+    @staticmethod
+    def _state_bound(name, key, group, bounds, e, a) -> float | None:
+        """The bound of a state tensor other than SGD's after this step (``None``: none), from
+        ``bounds``, the parameter's bounds so far (this step's for the keys before ``key``)."""
+        found = bounds.get(key) or 0.0
+        square = (2 * a + e) * e  # what a difference e does to a square of magnitude a
+        if key == "exp_avg":  # Adam's, AdamW's, Adamax's, RAdam's: a moving average
+            beta1 = group["betas"][0]
+            return beta1 * found + (1 - beta1) * e
+        if key == "exp_avg_sq":  # Adam's, AdamW's, RAdam's
+            beta2 = group["betas"][1]
+            return beta2 * found + (1 - beta2) * square
+        if key == "max_exp_avg_sq":  # the largest exp_avg_sq so far (this step's comes first)
+            return max(found, bounds["exp_avg_sq"])
+        if key == "exp_inf":  # Adamax: max(beta2 * u, |g| + eps), 1-Lipschitz in each
+            return max(group["betas"][1] * found, e)
+        if key == "square_avg":  # RMSprop's (alpha), Adadelta's (rho)
+            rate = group["alpha"] if name == "RMSprop" else group["rho"]
+            return rate * found + (1 - rate) * square
+        if key == "grad_avg":  # RMSprop, centered
+            return group["alpha"] * found + (1 - group["alpha"]) * e
+        if key == "sum":  # Adagrad: the sum of squares
+            return found + square
+        # RMSprop's momentum and Adadelta's acc_delta add quotients (see above); Rprop's prev
+        # and step sizes follow the gradients' signs.
+        return None
 
     @staticmethod
     def _sgd_bounds(group, bounds, e, has_momentum) -> float:
@@ -411,7 +453,8 @@ def scenarios(draw, path: str = "default") -> dict[str, Any]:
     magnitude per tensor (1e-9 to 1e6) spread over up to 8 decades within it, 1 to 8
     micro-batches an iteration; on the default and fused paths also a GradScaler,
     ``max_grad_norm`` and a step with an inf or NaN gradient."""
-    name = draw(st.sampled_from(sorted(OPTIMIZERS)))
+    names = [*OPTIMIZERS, *TORCH_FUSED_ONLY] if path == "fused" else EVERY_OPTIMIZER
+    name = draw(st.sampled_from(sorted(names)))
     kwargs = draw(hyperparameters(name))
     if path == "fused":
         kwargs["foreach"] = None  # fused and foreach exclude each other, as in torch.optim

@@ -3,8 +3,8 @@
 What: ``torch.testing._internal.common_optimizers.optim_db`` lists the configurations PyTorch
 tests its optimizers with (``optim_inputs_func``: keyword arguments such as ``amsgrad``,
 ``maximize``, ``nesterov``, a tensor ``lr``), each of which its tests run on every
-implementation (``supported_impls``: ``foreach``, ``fused``, ``differentiable``). For Adam, AdamW,
-RMSprop and SGD on the CPU, every configuration runs here on each implementation: the for-loop
+implementation (``supported_impls``: ``foreach``, ``fused``, ``differentiable``). For every class
+mixedopt has, on the CPU, every configuration runs here on each implementation: the for-loop
 one (every flag False, as PyTorch's tests build it), ``foreach=True``, ``fused=True`` (mixedopt's
 own for RMSprop, whose reference is then torch's default RMSprop), and the default (no flag:
 mixedopt chooses foreach for small tensors where torch takes the for-loop). ``mixedopt.X`` and
@@ -46,12 +46,13 @@ affected.
 from __future__ import annotations
 
 import copy
+import inspect
 import io
 import re
 
 import pytest
 import torch
-from helpers import EPS32, NOISE_ULPS, OPTIMIZERS
+from helpers import EPS32, EVERY_OPTIMIZER, NOISE_ULPS
 from parity import stored_as_documented
 from torch import nn
 
@@ -76,10 +77,13 @@ MAGNITUDES = [1.0, 1e-6, 1e5, 1e-3, 1e2]  # of the gradients, step by step
 
 def _cases():
     infos = _optim_db()
-    for name in OPTIMIZERS:
+    for name in EVERY_OPTIMIZER:
         info = infos[name]
         for optim_input in info.optim_inputs_func(device="cpu", dtype=torch.float32):
             for impl in IMPLEMENTATIONS:
+                has = inspect.signature(EVERY_OPTIMIZER[name][0]).parameters
+                if impl in ("fused", "differentiable") and impl not in has:
+                    continue  # neither torch.optim's class nor mixedopt's has it
                 # As PyTorch's tests build them: the class's flags all False, or one True.
                 flags = {flag: False for flag in info.supported_impls}
                 flags = {} if impl == "default" else flags if impl == "for-loop" else {impl: True}
@@ -152,7 +156,7 @@ def _as_torch_saves(state_dict, kwargs, torch_kwargs):
 
 @pytest.mark.parametrize(("name", "kwargs", "torch_kwargs"), list(_cases()))
 def test_matches_torch_optim_on_pytorch_configurations(name, kwargs, torch_kwargs):
-    mixed_cls, torch_cls = OPTIMIZERS[name]
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
     generator = torch.Generator().manual_seed(0)
     initial = [torch.randn(shape, generator=generator) for shape in SHAPES]
     mine, reference = _parameters(initial), _parameters(initial)

@@ -11,7 +11,7 @@ import io
 
 import pytest
 import torch
-from helpers import OPTIMIZERS, slice_elements
+from helpers import EVERY_OPTIMIZER, OPTIMIZERS, slice_elements
 from hypothesis import given
 from hypothesis import strategies as st
 from parity import (
@@ -140,7 +140,7 @@ def test_state_dict_round_trip_mid_training_continues_identically(direction, s, 
         buffer.seek(0)
         return torch.load(buffer, weights_only=True)
 
-    mixed_cls, torch_cls = OPTIMIZERS[s["name"]]
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[s["name"]]
     trio.mixed.opt.remove_grad_storage()
     trio.mixed.opt = mixed_cls(trio.mixed.params, **s["kwargs"], grad_dtype=s["grad_dtype"])
     trio.rounded.opt = torch_cls(trio.rounded.params, **s["kwargs"])

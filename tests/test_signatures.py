@@ -6,7 +6,7 @@ import inspect
 
 import pytest
 import torch
-from helpers import OPTIMIZERS
+from helpers import EVERY_OPTIMIZER
 
 # Keyword-only, after the parent's: mixedopt's own arguments, and ``fused`` where the parent
 # has none.
@@ -18,9 +18,9 @@ def parameters(cls):
     return list(inspect.signature(cls).parameters.values())
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", EVERY_OPTIMIZER)
 def test_signature_is_the_parents_in_its_order_with_its_defaults_and_kinds(name):
-    mixed_cls, torch_cls = OPTIMIZERS[name]
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
     own = dict(OWN, **({"fused": None} if name in ADDED_FUSED else {}))
     mine = parameters(mixed_cls)
     theirs = parameters(torch_cls)
@@ -32,7 +32,7 @@ def test_signature_is_the_parents_in_its_order_with_its_defaults_and_kinds(name)
     assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in extra)
 
 
-@pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.parametrize("name", EVERY_OPTIMIZER)
 def test_help_shows_the_parents_arguments(name):
-    text = str(inspect.signature(OPTIMIZERS[name][0]))
+    text = str(inspect.signature(EVERY_OPTIMIZER[name][0]))
     assert "lr" in text and "**" not in text and "*args" not in text

@@ -1,0 +1,101 @@
+"""Rules of the optimizers beyond the four with compiled kernels, as torch.optim has them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import EVERY_OPTIMIZER, OPTIMIZERS, assert_close_to_float32_noise
+from parity import round_gradients_as_stored
+from torch import nn
+
+import mixedopt
+
+NEW = [name for name in EVERY_OPTIMIZER if name not in OPTIMIZERS]
+
+
+def twin_mlps():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    reference.load_state_dict(model.state_dict())
+    return model, reference
+
+
+def train_both(opt, ref, model, reference, steps=3, scheduler=None):
+    """Backward of the same batches on both; the reference fed its gradients rounded as stored."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(16, 8, generator=generator)
+        for net in (model, reference):
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = net(x).float().square().mean()
+            loss.backward()
+        round_gradients_as_stored(reference.parameters())
+        assert all(p.grad.dtype == torch.float16 for p in model.parameters())
+        opt.step()
+        ref.step()
+        opt.zero_grad()
+        ref.zero_grad()
+        if scheduler is not None:
+            for s in scheduler:
+                s.step()
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert_close_to_float32_noise(p, q)
+        for key, value in ref.state[q].items():
+            assert opt.state[p][key].dtype == value.dtype
+            assert_close_to_float32_noise(opt.state[p][key], value)
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_a_model_under_autocast_steps_as_torch_optim_with_float32_state(name):
+    model, reference = twin_mlps()
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
+    train_both(mixed_cls(model.parameters()), torch_cls(reference.parameters()), model, reference)
+
+
+def test_adagrad_creates_its_state_at_construction_as_torch_does():
+    model, reference = twin_mlps()
+    opt = mixedopt.Adagrad(model.parameters(), initial_accumulator_value=0.5)
+    ref = torch.optim.Adagrad(reference.parameters(), initial_accumulator_value=0.5)
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+        assert opt.state[p].keys() == ref.state[q].keys() == {"step", "sum"}
+        assert torch.equal(opt.state[p]["sum"], ref.state[q]["sum"])
+
+
+def test_adagrad_fused_takes_torchs_fused_update():
+    model, reference = twin_mlps()
+    opt = mixedopt.Adagrad(model.parameters(), lr=0.1, fused=True)
+    ref = torch.optim.Adagrad(reference.parameters(), lr=0.1, fused=True)
+    train_both(opt, ref, model, reference)
+
+
+def test_rprop_starts_every_step_size_at_the_learning_rate():
+    model, reference = twin_mlps()
+    opt = mixedopt.Rprop(model.parameters(), lr=0.003, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0))
+    ref = torch.optim.Rprop(
+        reference.parameters(), lr=0.003, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0)
+    )
+    train_both(opt, ref, model, reference, steps=4)
+
+
+@pytest.mark.parametrize("name", ["Adamax", "RAdam"])
+def test_cyclic_lr_cycles_the_betas_as_with_torch_optim(name):
+    model, reference = twin_mlps()
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
+    opt, ref = mixed_cls(model.parameters()), torch_cls(reference.parameters())
+    schedulers = [
+        torch.optim.lr_scheduler.CyclicLR(o, 1e-3, 1e-2, step_size_up=2, cycle_momentum=True)
+        for o in (opt, ref)
+    ]
+    train_both(opt, ref, model, reference, steps=4, scheduler=schedulers)
+    assert opt.param_groups[0]["betas"] == ref.param_groups[0]["betas"]
+
+
+@pytest.mark.parametrize("name", [n for n in NEW if n != "Adagrad"])
+def test_fused_is_refused_as_torch_optim_refuses_it(name):
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
+    params = [nn.Parameter(torch.zeros(2))]
+    with pytest.raises(TypeError, match="fused"):
+        torch_cls(params, fused=True)
+    with pytest.raises(TypeError, match="fused"):
+        mixed_cls(params, fused=True)
