@@ -19,12 +19,15 @@ from .adagrad import Adagrad  # noqa: E402
 from .adam import Adam  # noqa: E402
 from .adamax import Adamax  # noqa: E402
 from .adamw import AdamW  # noqa: E402
+from .asgd import ASGD  # noqa: E402
+from .nadam import NAdam  # noqa: E402
 from .radam import RAdam  # noqa: E402
 from .rmsprop import RMSprop  # noqa: E402
 from .rprop import Rprop  # noqa: E402
 from .sgd import SGD  # noqa: E402
 
 __all__ = [
+    "ASGD",
     "SGD",
     "Adadelta",
     "Adagrad",
@@ -32,6 +35,7 @@ __all__ = [
     "AdamW",
     "Adamax",
     "MixedPrecisionOptimizer",
+    "NAdam",
     "RAdam",
     "RMSprop",
     "Rprop",

@@ -474,7 +474,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         return []
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
-        """Elementwise float32 state tensors the update reads for this group, in order."""
+        """Float32 state tensors the update reads for this group, in order.
+
+        Elementwise, or 0-dim scalars of a parameter (NAdam's ``mu_product``), which advance
+        once per parameter as its step counter does.
+        """
         raise NotImplementedError
 
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:

@@ -85,20 +85,30 @@ def _pieces(
     # A state that does not exist yet has its destination in ``created`` (``_reference_step`` makes
     # one for each): no target is None.
     targets = cast("list[Tensor]", [created.get(j, s) for j, s in enumerate(states)])
-    flats = [] if order is None else [flat_view(t, order) for t in (param, *targets, grad)]
+    # Elementwise state is cut with the parameter; a 0-dim one is a scalar of the whole
+    # parameter (NAdam's mu_product, ASGD's eta and mu), which each piece reads.
+    cut = [j for j, target in enumerate(targets) if target.dim() > 0]
+    whole = (param, *(targets[j] for j in cut), grad)
+    flats = [] if order is None else [flat_view(t, order) for t in whole]
     if order is None or any(f is None for f in flats):
         yield param, grad, states, created, step
         return
     # Every piece of every tensor at once (``split`` makes its views in C++).
     pieces = [flat.split(capacity) for flat in flats]  # type: ignore[union-attr]
     last = len(pieces[0]) - 1
-    for i, (param_piece, *state_pieces, grad_piece) in enumerate(zip(*pieces, strict=True)):
+    for i, (param_piece, *cut_pieces, grad_piece) in enumerate(zip(*pieces, strict=True)):
+        # A counter, and a scalar of the parameter, advances once per parameter: earlier
+        # pieces advance copies.
+        of_piece = dict(zip(cut, cut_pieces, strict=True))
+        values = [
+            of_piece[j] if j in of_piece else t if i == last else t.clone()
+            for j, t in enumerate(targets)
+        ]
         yield (
             param_piece,
             grad_piece,
-            [None if j in created else piece for j, piece in enumerate(state_pieces)],
-            {j: state_pieces[j] for j in created},
-            # The counter advances once per parameter: earlier pieces advance a copy.
+            [None if j in created else value for j, value in enumerate(values)],
+            {j: values[j] for j in created},
             step if step is None or i == last else step.clone(),
         )
 

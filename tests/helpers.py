@@ -30,7 +30,7 @@ EVERY_OPTIMIZER = {
     **OPTIMIZERS,
     **{
         name: (getattr(mixedopt, name), getattr(torch.optim, name))
-        for name in ("Adadelta", "Adagrad", "Adamax", "RAdam", "Rprop")
+        for name in ("ASGD", "Adadelta", "Adagrad", "Adamax", "NAdam", "RAdam", "Rprop")
     },
 }
 # Those whose fused=True is torch's own fused update (no compiled kernels of mixedopt's).
@@ -153,6 +153,27 @@ def hyperparameters(draw, name):
             lr=draw(LR),
             betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
             eps=draw(st.sampled_from([1e-8, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "NAdam":
+        return dict(
+            lr=draw(LR),
+            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
+            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            weight_decay=draw(WEIGHT_DECAY),
+            momentum_decay=draw(st.sampled_from([4e-3, 0.1])),
+            decoupled_weight_decay=draw(st.booleans()),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "ASGD":
+        return dict(
+            lr=draw(LR),
+            lambd=draw(st.sampled_from([1e-4, 1e-2])),
+            alpha=draw(st.floats(0.5, 1.0)),
+            t0=draw(st.sampled_from([1e6, 1.0])),  # averaging from the first steps, or never
             weight_decay=draw(WEIGHT_DECAY),
             foreach=foreach,
             maximize=maximize,

@@ -168,6 +168,7 @@ class Trio:
         self.skipped_now = False  # whether this iteration's step was skipped
         self.clipping_noise = 0.0  # relative difference of the clipping coefficients, summed
         self.cancellation = 1.0  # see ``_record_cancellation``
+        self.iterations = 0
         # Per parameter: the bound of each quantity on how far mixed is from exact.
         self.bounds: list[dict[str, float | None]] = [{"weight": 0.0} for _ in initial]
         self.held: dict[int, float] = {}  # id of a reference tensor -> its largest |value|
@@ -177,6 +178,7 @@ class Trio:
     def iteration(self, micro_batches: Sequence[Callable[[list[nn.Parameter]], Tensor]]) -> None:
         """Backward over each micro-batch's loss (a function of a side's parameters), then the
         step on all three sides, then ``zero_grad()``."""
+        self.iterations += 1
         mixed, exact = self.mixed, self.exact.params
         self.weight_error = [
             _max_difference(p, q) for p, q in zip(mixed.params, exact, strict=True)
@@ -265,8 +267,9 @@ class Trio:
         """Weights, state, skipped steps and gradient norm equal to ``rounded``'s: float32 noise.
 
         Each element may differ by ``NOISE_ULPS`` float32 ulps of the largest magnitude its
-        tensor has held (other kernels computing the same values round differently, and
-        cancellation can leave a small result next to large terms), and by the relative
+        tensor has held per step so far (other kernels computing the same values round
+        differently, cancellation can leave a small result next to large terms, and weights and
+        state carry each step's difference into the next), and by the relative
         difference of the clipping coefficients, which both sides compute from the norm of the
         same values summed in other orders (twice that: the squared averages); for centered
         RMSprop's weights and momentum, times the cancellation of its variance
@@ -281,7 +284,8 @@ class Trio:
             mine, theirs = mine.detach(), theirs.detach()
             held = self._held(theirs)
             difference = (mine - theirs).abs()
-            tolerance = NOISE_ULPS * EPS32 + 2 * self.clipping_noise  # twice: squared averages
+            rounding = NOISE_ULPS * EPS32 * max(1, self.iterations)  # each step's, carried on
+            tolerance = rounding + 2 * self.clipping_noise  # twice: squared averages
             if key in ("weight", "momentum_buffer"):
                 tolerance *= self.cancellation
             ok = (difference <= tolerance * held) | (mine == theirs)
