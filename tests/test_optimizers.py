@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import EVERY_OPTIMIZER, OPTIMIZERS, assert_close_to_float32_noise
-from parity import round_gradients_as_stored
+from helpers import EVERY_OPTIMIZER, OPTIMIZERS, assert_close_to_float32_noise, slice_elements
+from parity import round_gradients_as_stored, stored_as_documented
 from torch import nn
 
 import mixedopt
@@ -99,3 +99,27 @@ def test_fused_is_refused_as_torch_optim_refuses_it(name):
         torch_cls(params, fused=True)
     with pytest.raises(TypeError, match="fused"):
         mixed_cls(params, fused=True)
+
+
+@pytest.mark.parametrize("name", ["NAdam", "ASGD"])
+def test_a_parameter_cut_into_pieces_advances_its_scalar_state_once(name):
+    """NAdam's mu_product, ASGD's eta and mu: 0-dim, of the whole parameter."""
+    mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
+    initial = torch.randn(50)
+    param, reference = nn.Parameter(initial.clone()), nn.Parameter(initial.clone())
+    kwargs = {"t0": 1.0} if name == "ASGD" else {}  # ASGD averages from the first step
+    opt, ref = mixed_cls([param], **kwargs), torch_cls([reference], **kwargs)
+    with slice_elements(7):  # 8 pieces
+        for _ in range(3):
+            g = torch.randn(50)
+            (param * g).sum().backward()
+            reference.grad = stored_as_documented(g)
+            opt.step()
+            ref.step()
+            opt.zero_grad()
+    for key, value in ref.state[reference].items():
+        if value.dim() == 0:
+            assert torch.equal(opt.state[param][key], value), key
+        else:
+            assert_close_to_float32_noise(opt.state[param][key], value)
+    assert_close_to_float32_noise(param, reference)
