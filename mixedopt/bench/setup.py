@@ -25,7 +25,16 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "adam": ("Adam", {"lr": 1e-3}),
     "adamw": ("AdamW", {"lr": 1e-3}),
     "sgd": ("SGD", {"lr": 1e-3, "momentum": 0.9}),
+    "adagrad": ("Adagrad", {"lr": 1e-3}),
+    "adadelta": ("Adadelta", {}),
+    "adamax": ("Adamax", {"lr": 1e-3}),
+    "nadam": ("NAdam", {"lr": 1e-3}),
+    "radam": ("RAdam", {"lr": 1e-3}),
+    "asgd": ("ASGD", {"lr": 1e-3}),
+    "rprop": ("Rprop", {"lr": 1e-3}),
 }
+# Run without --optimizers: those with mixedopt's compiled kernels.
+DEFAULT_OPTIMIZERS = ["rmsprop", "adam", "adamw", "sgd"]
 VARIANTS: dict[str, str] = {
     "torch-foreach": "torch foreach",
     "torch-fused": "torch fused",

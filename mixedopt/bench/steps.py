@@ -73,7 +73,7 @@ import torch
 from . import launches, small
 from .format import format_iteration, format_table, machine_info
 from .memory import CHILD_FLAG, child_memory, measure_memory_in_child
-from .setup import BASELINE, OPTIMIZERS, VARIANTS, Row, positive
+from .setup import BASELINE, DEFAULT_OPTIMIZERS, OPTIMIZERS, VARIANTS, Row, positive
 from .timing import ITERATION_VARIANTS, iteration_benchmark, run_optimizer, stream_bandwidth
 
 
@@ -113,8 +113,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--optimizers",
         type=_choices(list(OPTIMIZERS), "optimizer"),
-        default=list(OPTIMIZERS),
-        help=f"comma-separated, from {','.join(OPTIMIZERS)} (default: all)",
+        default=DEFAULT_OPTIMIZERS,
+        help=f"comma-separated, from {','.join(OPTIMIZERS)} "
+        f"(default: {','.join(DEFAULT_OPTIMIZERS)})",
     )
     parser.add_argument(
         "--variants",
