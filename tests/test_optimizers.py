@@ -46,11 +46,26 @@ def train_both(opt, ref, model, reference, steps=3, scheduler=None):
             assert_close_to_float32_noise(opt.state[p][key], value)
 
 
+# A configuration other than the defaults, for each.
+NON_DEFAULT = {
+    "ASGD": dict(lr=0.05, lambd=1e-2, alpha=0.5, t0=1.0, weight_decay=1e-2, maximize=True),
+    "Adadelta": dict(lr=0.5, rho=0.8, eps=1e-4, weight_decay=1e-2, foreach=True),
+    "Adagrad": dict(lr=0.05, lr_decay=1e-2, initial_accumulator_value=0.1, weight_decay=1e-2),
+    "Adamax": dict(lr=0.01, betas=(0.8, 0.99), weight_decay=1e-2, maximize=True),
+    "NAdam": dict(lr=0.01, momentum_decay=0.1, weight_decay=1e-2, decoupled_weight_decay=True),
+    "RAdam": dict(lr=0.01, betas=(0.8, 0.99), weight_decay=1e-2, decoupled_weight_decay=True),
+    "Rprop": dict(lr=0.003, etas=(0.4, 1.3), step_sizes=(1e-5, 1.0), foreach=False),
+}
+
+
+@pytest.mark.parametrize("configuration", ["defaults", "non-default"])
 @pytest.mark.parametrize("name", NEW)
-def test_a_model_under_autocast_steps_as_torch_optim_with_float32_state(name):
+def test_a_model_under_autocast_steps_as_torch_optim_with_float32_state(name, configuration):
     model, reference = twin_mlps()
     mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
-    train_both(mixed_cls(model.parameters()), torch_cls(reference.parameters()), model, reference)
+    kwargs = NON_DEFAULT[name] if configuration == "non-default" else {}
+    opt, ref = mixed_cls(model.parameters(), **kwargs), torch_cls(reference.parameters(), **kwargs)
+    train_both(opt, ref, model, reference, steps=4)
 
 
 def test_adagrad_creates_its_state_at_construction_as_torch_does():
