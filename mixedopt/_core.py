@@ -473,6 +473,17 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         return []
 
+    # Whether the update needs each parameter whole: Adafactor's factors of a matrix's rows and
+    # columns, Muon's orthogonalisation of it. Such parameters are never cut into pieces.
+    _updates_whole_parameters = False
+
+    def _created_by_update(self, group: dict[str, Any]) -> list[str]:
+        """State keys the functional update creates itself, rather than ``_init_state``.
+
+        SGD's momentum buffer, a copy of the first gradient.
+        """
+        return []
+
     def _state_keys(self, group: dict[str, Any]) -> list[str]:
         """Float32 state tensors the update reads for this group, in order.
 

@@ -70,25 +70,26 @@ class Batch:
 
 
 def _pieces(
-    entry: Entry, keys: Sequence[str], capacity: int
+    entry: Entry, keys: Sequence[str], capacity: int, cut: bool = True
 ) -> Iterator[tuple[Tensor, Tensor, list[Tensor | None], dict[int, Tensor], Tensor | None]]:
     """A large or sharded parameter, whole (its rank's shard) or in 1-D pieces.
 
     Pieces have at most ``capacity`` elements; a parameter is cut when weights, gradient and
-    state are dense in one layout (its pieces are then views: nothing is copied).
+    state are dense in one layout (its pieces are then views: nothing is copied), and ``cut``
+    (an update that needs the whole parameter, Adafactor's or Muon's, is not cut).
     """
     param, grad = local(entry.param), local(entry.grad)
     states: list[Tensor | None] = [local(entry.state.get(key)) for key in keys]
     created = {j: local(entry.created[key]) for j, key in enumerate(keys) if key in entry.created}
     step = entry.state.get("step")
-    order = dense_order(param) if param.numel() > capacity else None
+    order = dense_order(param) if cut and param.numel() > capacity else None
     # A state that does not exist yet has its destination in ``created`` (``_reference_step`` makes
     # one for each): no target is None.
     targets = cast("list[Tensor]", [created.get(j, s) for j, s in enumerate(states)])
     # Elementwise state is cut with the parameter; a 0-dim one is a scalar of the whole
     # parameter (NAdam's mu_product, ASGD's eta and mu), which each piece reads.
-    cut = [j for j, target in enumerate(targets) if target.dim() > 0]
-    whole = (param, *(targets[j] for j in cut), grad)
+    elementwise = [j for j, target in enumerate(targets) if target.dim() > 0]
+    whole = (param, *(targets[j] for j in elementwise), grad)
     flats = [] if order is None else [flat_view(t, order) for t in whole]
     if order is None or any(f is None for f in flats):
         yield param, grad, states, created, step
@@ -99,7 +100,7 @@ def _pieces(
     for i, (param_piece, *cut_pieces, grad_piece) in enumerate(zip(*pieces, strict=True)):
         # A counter, and a scalar of the parameter, advances once per parameter: earlier
         # pieces advance copies.
-        of_piece = dict(zip(cut, cut_pieces, strict=True))
+        of_piece = dict(zip(elementwise, cut_pieces, strict=True))
         values = [
             of_piece[j] if j in of_piece else t if i == last else t.clone()
             for j, t in enumerate(targets)
@@ -113,10 +114,13 @@ def _pieces(
         )
 
 
-def batches(entries: Sequence[Entry], keys: Sequence[str], capacity: int) -> Iterator[Batch]:
+def batches(
+    entries: Sequence[Entry], keys: Sequence[str], capacity: int, cut: bool = True
+) -> Iterator[Batch]:
     """The parameters of ``entries``, in order, in batches of at most ``capacity`` elements.
 
-    A batch holds more only when it is one parameter that cannot be cut.
+    A batch holds more only when it is one parameter that cannot be cut (or, without ``cut``,
+    is not to be: an update that needs whole parameters).
     """
     count = len(keys)
     batch = Batch(0, count)
@@ -136,7 +140,7 @@ def batches(entries: Sequence[Entry], keys: Sequence[str], capacity: int) -> Ite
             batch.add(e.param, e.grad, values, created, state.get("step"))
             filled += numel
             continue
-        for param, grad, states, created, step in _pieces(e, keys, capacity):
+        for param, grad, states, created, step in _pieces(e, keys, capacity, cut):
             size = param.numel()
             if batch.params and filled + size > capacity:
                 yield batch
@@ -268,13 +272,14 @@ def default_update(
     factors: Tensor,
     workspace: Workspace,
     stored_bucket: StoredRowsLookup | None = None,
+    cut: bool = True,
 ) -> None:
     """Update ``entries`` (all on one device; ``factors`` one each) on the default path.
 
     With ``stored_bucket``, the gradients of the buckets backward stored are upcast straight
     from their 16-bit buffers, buckets joined into batches (``stored_batches``, one copy and one
     multiplication a batch); the others are taken in batches (``batches``), the reference
-    path.
+    path. Without ``cut``, no parameter is cut into pieces (``_pieces``).
     """
     device = factors.device
     piece = budget(device).piece
@@ -298,7 +303,7 @@ def default_update(
     # memory passes finds its data evicted from the caches and runs several times slower
     # (docs/performance.md). A batch holds views, and nothing else
     # of a tensor's size (``_pieces``).
-    for batch in list(batches(entries, keys, piece)):
+    for batch in list(batches(entries, keys, piece, cut)):
         grads = _upcast(workspace, batch, factors)
         update(batch.params, grads, dict(zip(keys, batch.states, strict=True)), batch.steps)
         batch.copy_created()

@@ -216,7 +216,7 @@ class ReferencePath:
             if keys:
                 e.state = rules.state[e.param]
                 rules._init_state(e.param, group, e.state)
-            for key in keys:
+            for key in rules._created_by_update(group):
                 if e.state.get(key) is None:
                     e.created[key] = torch.empty_like(e.param)
 
@@ -231,6 +231,7 @@ class ReferencePath:
                 device_factors,
                 self.workspace,
                 self.storage.stored_bucket,
+                cut=not rules._updates_whole_parameters,
             )
         for e in entries:
             e.state.update(e.created)

@@ -22,6 +22,9 @@ class UpdateRules(Protocol):
     _parent_has_torch_fused: bool  # the parent's functional update has a fused implementation
     _compiled_kernel: Callable[..., None] | None  # ``_compiled.py``'s kernel, if it has one
     _compiled_state_order: tuple[str, ...]  # its state arguments, in order
+    _updates_whole_parameters: bool  # the update needs each parameter whole (never cut)
+
+    def _created_by_update(self, group: dict[str, Any]) -> list[str]: ...
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]: ...
 

@@ -88,6 +88,9 @@ class SGD(MixedPrecisionOptimizer, torch.optim.SGD):
     def _init_state(self, param: Tensor, group: dict[str, Any], state: dict[str, Any]) -> None:
         pass  # sgd() creates the momentum buffer from the first gradient
 
+    def _created_by_update(self, group: dict[str, Any]) -> list[str]:
+        return self._state_keys(group)
+
     def _update(
         self,
         group: dict[str, Any],
