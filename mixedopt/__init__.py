@@ -15,11 +15,13 @@ with warnings.catch_warnings():
 from ._autocast import autocast  # noqa: E402
 from ._core import MixedPrecisionOptimizer  # noqa: E402
 from .adadelta import Adadelta  # noqa: E402
+from .adafactor import Adafactor  # noqa: E402
 from .adagrad import Adagrad  # noqa: E402
 from .adam import Adam  # noqa: E402
 from .adamax import Adamax  # noqa: E402
 from .adamw import AdamW  # noqa: E402
 from .asgd import ASGD  # noqa: E402
+from .muon import Muon  # noqa: E402
 from .nadam import NAdam  # noqa: E402
 from .radam import RAdam  # noqa: E402
 from .rmsprop import RMSprop  # noqa: E402
@@ -30,11 +32,13 @@ __all__ = [
     "ASGD",
     "SGD",
     "Adadelta",
+    "Adafactor",
     "Adagrad",
     "Adam",
     "AdamW",
     "Adamax",
     "MixedPrecisionOptimizer",
+    "Muon",
     "NAdam",
     "RAdam",
     "RMSprop",

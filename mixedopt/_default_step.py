@@ -83,15 +83,17 @@ def _pieces(
     created = {j: local(entry.created[key]) for j, key in enumerate(keys) if key in entry.created}
     step = entry.state.get("step")
     order = dense_order(param) if cut and param.numel() > capacity else None
+    if order is None:
+        yield param, grad, states, created, step
+        return
     # A state that does not exist yet has its destination in ``created`` (``_reference_step`` makes
-    # one for each): no target is None.
+    # one for each that the update creates): no target is None.
     targets = cast("list[Tensor]", [created.get(j, s) for j, s in enumerate(states)])
     # Elementwise state is cut with the parameter; a 0-dim one is a scalar of the whole
     # parameter (NAdam's mu_product, ASGD's eta and mu), which each piece reads.
     elementwise = [j for j, target in enumerate(targets) if target.dim() > 0]
-    whole = (param, *(targets[j] for j in elementwise), grad)
-    flats = [] if order is None else [flat_view(t, order) for t in whole]
-    if order is None or any(f is None for f in flats):
+    flats = [flat_view(t, order) for t in (param, *(targets[j] for j in elementwise), grad)]
+    if any(f is None for f in flats):
         yield param, grad, states, created, step
         return
     # Every piece of every tensor at once (``split`` makes its views in C++).

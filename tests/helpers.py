@@ -30,7 +30,17 @@ EVERY_OPTIMIZER = {
     **OPTIMIZERS,
     **{
         name: (getattr(mixedopt, name), getattr(torch.optim, name))
-        for name in ("ASGD", "Adadelta", "Adagrad", "Adamax", "NAdam", "RAdam", "Rprop")
+        for name in (
+            "ASGD",
+            "Adadelta",
+            "Adafactor",
+            "Adagrad",
+            "Adamax",
+            "Muon",
+            "NAdam",
+            "RAdam",
+            "Rprop",
+        )
     },
 }
 # Those whose fused=True is torch's own fused update (no compiled kernels of mixedopt's).
@@ -119,6 +129,12 @@ def relative_error(approx: torch.Tensor, exact: torch.Tensor) -> float:
 SHAPES = st.lists(
     st.sampled_from([(), (0,), (1,), (5,), (3, 4), (2, 3, 2), (17,), (64,)]), min_size=1, max_size=4
 )
+MATRICES = st.lists(st.sampled_from([(1, 1), (3, 4), (8, 5), (2, 16)]), min_size=1, max_size=3)
+# torch.optim.Adafactor divides by a parameter's number of elements (ZeroDivisionError on an empty
+# one, in every implementation, torch 2.13).
+NON_EMPTY = st.lists(
+    st.sampled_from([(), (1,), (5,), (3, 4), (2, 3, 2), (17,), (64,)]), min_size=1, max_size=4
+)
 LR = st.floats(min_value=1e-4, max_value=0.1)
 WEIGHT_DECAY = st.sampled_from([0.0, 1e-2])
 
@@ -156,6 +172,25 @@ def hyperparameters(draw, name):
             weight_decay=draw(WEIGHT_DECAY),
             foreach=foreach,
             maximize=maximize,
+        )
+    if name == "Adafactor":
+        return dict(
+            lr=draw(LR),
+            beta2_decay=draw(st.sampled_from([-0.8, -0.5])),
+            eps=(draw(st.sampled_from([None, 1e-30])), draw(st.sampled_from([1e-3, 1e-2]))),
+            d=draw(st.sampled_from([1.0, 2.0])),
+            weight_decay=draw(WEIGHT_DECAY),
+            foreach=foreach,
+            maximize=maximize,
+        )
+    if name == "Muon":  # no foreach and no maximize in torch.optim.Muon
+        return dict(
+            lr=draw(LR),
+            weight_decay=draw(st.sampled_from([0.0, 0.1])),
+            momentum=draw(st.sampled_from([0.0, 0.95])),
+            nesterov=draw(st.booleans()),
+            ns_steps=draw(st.sampled_from([5, 2])),
+            adjust_lr_fn=draw(st.sampled_from([None, "original", "match_rms_adamw"])),
         )
     if name == "NAdam":
         return dict(

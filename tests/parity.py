@@ -28,7 +28,9 @@ from helpers import (
     ACCELERATOR_BUDGETS,
     EPS32,
     EVERY_OPTIMIZER,
+    MATRICES,
     NOISE_ULPS,
+    NON_EMPTY,
     OPTIMIZERS,
     SHAPES,
     TORCH_FUSED_ONLY,
@@ -462,7 +464,8 @@ def scenarios(draw, path: str = "default") -> dict[str, Any]:
     kwargs = draw(hyperparameters(name))
     if path == "fused":
         kwargs["foreach"] = None  # fused and foreach exclude each other, as in torch.optim
-    shapes = draw(SHAPES)
+    # Muon takes matrices only; Adafactor fails on empty parameters, as torch.optim's does.
+    shapes = draw({"Muon": MATRICES, "Adafactor": NON_EMPTY}.get(name, SHAPES))
     steps = draw(st.integers(1, 4))
     scenario = dict(
         name=name,

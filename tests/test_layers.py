@@ -150,8 +150,8 @@ def test_the_library_is_components_not_mixins():
         for cls in library_classes()
     }
     derived = {name: bases for name, bases in derived.items() if bases}
-    optimizers = ["ASGD", "Adadelta", "Adagrad", "Adam", "Adamax", "NAdam", "RAdam", "RMSprop"]
-    optimizers += ["Rprop", "SGD"]
+    optimizers = ["ASGD", "Adadelta", "Adafactor", "Adagrad", "Adam", "Adamax", "Muon", "NAdam"]
+    optimizers += ["RAdam", "RMSprop", "Rprop", "SGD"]
     expected = {
         f"mixedopt.{name.lower()}.{name}": ["MixedPrecisionOptimizer"] for name in optimizers
     }

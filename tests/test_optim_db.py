@@ -72,6 +72,7 @@ STEPS = 5
 CHECKPOINT_AFTER = 2
 IMPLEMENTATIONS = ["for-loop", "foreach", "fused", "default", "differentiable"]
 SHAPES = [(3, 5), (3,), (2, 3, 2, 2)]  # a 2-D weight, a 1-D bias, a convolution's weight
+MATRICES = [(3, 5), (4, 2)]
 MAGNITUDES = [1.0, 1e-6, 1e5, 1e-3, 1e2]  # of the gradients, step by step
 
 
@@ -82,7 +83,7 @@ def _cases():
         for optim_input in info.optim_inputs_func(device="cpu", dtype=torch.float32):
             for impl in IMPLEMENTATIONS:
                 has = inspect.signature(EVERY_OPTIMIZER[name][0]).parameters
-                if impl in ("fused", "differentiable") and impl not in has:
+                if impl in ("foreach", "fused", "differentiable") and impl not in has:
                     continue  # neither torch.optim's class nor mixedopt's has it
                 # As PyTorch's tests build them: the class's flags all False, or one True.
                 flags = {flag: False for flag in info.supported_impls}
@@ -158,7 +159,8 @@ def _as_torch_saves(state_dict, kwargs, torch_kwargs):
 def test_matches_torch_optim_on_pytorch_configurations(name, kwargs, torch_kwargs):
     mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
     generator = torch.Generator().manual_seed(0)
-    initial = [torch.randn(shape, generator=generator) for shape in SHAPES]
+    shapes = MATRICES if name == "Muon" else SHAPES  # Muon takes matrices only
+    initial = [torch.randn(shape, generator=generator) for shape in shapes]
     mine, reference = _parameters(initial), _parameters(initial)
     optimizer = mixed_cls(mine, **copy.deepcopy(kwargs))
     torch_optimizer = torch_cls(reference, **copy.deepcopy(torch_kwargs))

@@ -13,10 +13,13 @@ import mixedopt
 NEW = [name for name in EVERY_OPTIMIZER if name not in OPTIMIZERS]
 
 
-def twin_mlps():
+def twin_mlps(bias=True):
+    """Two MLPs with the same weights (without biases: Muon takes matrices only)."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
-    reference = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model, reference = (
+        nn.Sequential(nn.Linear(8, 16, bias=bias), nn.Tanh(), nn.Linear(16, 4, bias=bias))
+        for _ in range(2)
+    )
     reference.load_state_dict(model.state_dict())
     return model, reference
 
@@ -49,6 +52,8 @@ def train_both(opt, ref, model, reference, steps=3, scheduler=None):
 # A configuration other than the defaults, for each.
 NON_DEFAULT = {
     "ASGD": dict(lr=0.05, lambd=1e-2, alpha=0.5, t0=1.0, weight_decay=1e-2, maximize=True),
+    "Adafactor": dict(lr=0.05, beta2_decay=-0.5, eps=(1e-30, 1e-2), d=2.0, weight_decay=1e-2),
+    "Muon": dict(lr=0.01, momentum=0.9, nesterov=False, ns_steps=3, adjust_lr_fn="original"),
     "Adadelta": dict(lr=0.5, rho=0.8, eps=1e-4, weight_decay=1e-2, foreach=True),
     "Adagrad": dict(lr=0.05, lr_decay=1e-2, initial_accumulator_value=0.1, weight_decay=1e-2),
     "Adamax": dict(lr=0.01, betas=(0.8, 0.99), weight_decay=1e-2, maximize=True),
@@ -61,7 +66,7 @@ NON_DEFAULT = {
 @pytest.mark.parametrize("configuration", ["defaults", "non-default"])
 @pytest.mark.parametrize("name", NEW)
 def test_a_model_under_autocast_steps_as_torch_optim_with_float32_state(name, configuration):
-    model, reference = twin_mlps()
+    model, reference = twin_mlps(bias=name != "Muon")
     mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
     kwargs = NON_DEFAULT[name] if configuration == "non-default" else {}
     opt, ref = mixed_cls(model.parameters(), **kwargs), torch_cls(reference.parameters(), **kwargs)

@@ -68,7 +68,7 @@ def test_the_first_momentum_buffer_is_each_gradient_rounded_as_documented(s, pat
     which a different rounding of its smallest elements (float16's subnormal numbers) hides."""
     s.update(
         name="SGD",
-        kwargs={"lr": 0.1, "momentum": 0.9, "foreach": s["kwargs"]["foreach"]},
+        kwargs={"lr": 0.1, "momentum": 0.9, "foreach": s["kwargs"].get("foreach")},
         steps=1,
         max_grad_norm=None,  # a coefficient from a norm summed in another order
         non_finite=None,
