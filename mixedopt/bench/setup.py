@@ -32,7 +32,12 @@ OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     "radam": ("RAdam", {"lr": 1e-3}),
     "asgd": ("ASGD", {"lr": 1e-3}),
     "rprop": ("Rprop", {"lr": 1e-3}),
+    "adafactor": ("Adafactor", {"lr": 1e-3}),
+    "muon": ("Muon", {"lr": 1e-3}),
 }
+# Optimizers measured on matrices (Muon takes nothing else; Adafactor factors their state):
+# their parameters are rows of this many elements.
+MATRIX_ROW = {"Muon": 1000, "Adafactor": 1000}
 # Run without --optimizers: those with mixedopt's compiled kernels.
 DEFAULT_OPTIMIZERS = ["rmsprop", "adam", "adamw", "sgd"]
 VARIANTS: dict[str, str] = {
@@ -103,11 +108,15 @@ def build(
     """
     class_name, kwargs = OPTIMIZERS[optimizer]
     generator = torch.Generator(device=device).manual_seed(seed)
+    row = MATRIX_ROW.get(class_name)
+    shape = (numel,) if row is None else (numel // row, row) if numel % row == 0 else (1, numel)
     params = [
-        nn.Parameter(torch.randn(numel, generator=generator, device=device)) for _ in range(count)
+        nn.Parameter(torch.randn(shape, generator=generator, device=device)) for _ in range(count)
     ]
-    if variant == "torch-foreach":
-        opt = getattr(torch.optim, class_name)(params, foreach=True, **kwargs)
+    if variant == "torch-foreach":  # torch's only implementation where it has no foreach (Muon)
+        cls = getattr(torch.optim, class_name)
+        foreach = {"foreach": True} if "foreach" in inspect.signature(cls).parameters else {}
+        opt = cls(params, **foreach, **kwargs)
     elif variant == "torch-fused":
         cls = getattr(torch.optim, class_name)
         if "fused" not in inspect.signature(cls.__init__).parameters:
@@ -128,7 +137,7 @@ def build(
     # The optimizer exists first: a mixedopt one decides what backward() leaves in .grad. The
     # gradient of sum(p * c) is c; one parameter at a time, to keep the set-up peak small.
     for p in params:
-        c = torch.randn(numel, generator=generator, device=device).mul_(1e-2)
+        c = torch.randn(shape, generator=generator, device=device).mul_(1e-2)
         (p * c).sum().backward()
         del c
     return params, opt
