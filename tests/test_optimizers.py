@@ -98,9 +98,9 @@ def test_rprop_starts_every_step_size_at_the_learning_rate():
     train_both(opt, ref, model, reference, steps=4)
 
 
-@pytest.mark.parametrize("name", ["Adamax", "RAdam"])
-def test_cyclic_lr_cycles_the_betas_as_with_torch_optim(name):
-    model, reference = twin_mlps()
+@pytest.mark.parametrize("name", ["Adamax", "NAdam", "RAdam", "Muon"])
+def test_cyclic_lr_cycles_the_momentum_or_betas_as_with_torch_optim(name):
+    model, reference = twin_mlps(bias=name != "Muon")
     mixed_cls, torch_cls = EVERY_OPTIMIZER[name]
     opt, ref = mixed_cls(model.parameters()), torch_cls(reference.parameters())
     schedulers = [
@@ -108,7 +108,8 @@ def test_cyclic_lr_cycles_the_betas_as_with_torch_optim(name):
         for o in (opt, ref)
     ]
     train_both(opt, ref, model, reference, steps=4, scheduler=schedulers)
-    assert opt.param_groups[0]["betas"] == ref.param_groups[0]["betas"]
+    key = "momentum" if name == "Muon" else "betas"
+    assert opt.param_groups[0][key] == ref.param_groups[0][key]
 
 
 @pytest.mark.parametrize("name", [n for n in NEW if n != "Adagrad"])
