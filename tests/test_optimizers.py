@@ -144,3 +144,14 @@ def test_a_parameter_cut_into_pieces_advances_its_scalar_state_once(name):
         else:
             assert_close_to_float32_noise(opt.state[param][key], value)
     assert_close_to_float32_noise(param, reference)
+
+
+def test_muon_refuses_what_is_not_a_matrix_with_torchs_error_and_lets_the_parameter_go():
+    bias = nn.Parameter(torch.zeros(4))
+    with pytest.raises(ValueError) as theirs:
+        torch.optim.Muon([bias])
+    with pytest.raises(ValueError) as mine:
+        mixedopt.Muon([bias])
+    assert str(mine.value) == str(theirs.value)
+    (bias * 2.0).sum().backward()
+    assert bias.grad.dtype == torch.float32  # no storage left installed
