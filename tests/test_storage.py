@@ -468,3 +468,30 @@ def test_a_gradient_stored_alone_is_the_same_scaled_at_once_or_in_pieces(
         torch.testing.assert_close(p.grad, (g * scale).half(), rtol=0, atol=0)
         stored[piece] = p.grad
     assert torch.equal(stored[1 << 18], stored[1000])
+
+
+@given(st.floats(-9, 6), st.integers(0, 2**16))
+def test_elements_down_to_2_to_the_minus_21_of_the_largest_keep_float16_precision(exponent, seed):
+    """docs/grad.md ("How close to float32 training"), README: about 5e-7 of the largest."""
+    generator = torch.Generator().manual_seed(seed)
+    g = torch.randn(1000, generator=generator) * 10.0 ** (
+        exponent - 8 * torch.rand(1000, generator=generator)
+    )
+    p = nn.Parameter(torch.zeros(1000))
+    opt = mixedopt.Adam([p])
+    (p * g).sum().backward()
+    error = (opt.true_grad(p) - g).abs()
+    kept = g.abs() >= g.abs().max() * 2.0**-21
+    assert kept.sum() > 0
+    assert (error[kept] <= 2.0**-11 * g.abs()[kept]).all()
+
+
+def test_an_element_eight_decades_below_its_largest_keeps_fewer_bits():
+    """The per-tensor scale: 1e-8 next to 1 is a float16 subnormal (a few bits)."""
+    g = torch.tensor([1.0, 1e-4, 1e-6, 1e-8])
+    p = nn.Parameter(torch.zeros(4))
+    opt = mixedopt.Adam([p])
+    (p * g).sum().backward()
+    relative = ((opt.true_grad(p) - g).abs() / g).tolist()
+    assert max(relative[:3]) <= 2.0**-11
+    assert relative[3] > 2.0**-11 * 10
