@@ -137,6 +137,8 @@ NON_EMPTY = st.lists(
 )
 LR = st.floats(min_value=1e-4, max_value=0.1)
 WEIGHT_DECAY = st.sampled_from([0.0, 1e-2])
+BETAS = st.tuples(st.floats(0.5, 0.95), st.floats(0.9, 0.9999))  # Adam's and its kin's
+EPS = st.sampled_from([1e-8, 1e-3])
 
 
 @st.composite
@@ -147,7 +149,7 @@ def hyperparameters(draw, name):
         return dict(
             lr=draw(LR),
             alpha=draw(st.floats(min_value=0.5, max_value=0.999)),
-            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            eps=draw(EPS),
             weight_decay=draw(WEIGHT_DECAY),
             momentum=draw(st.sampled_from([0.0, 0.9])),
             centered=draw(st.booleans()),
@@ -157,8 +159,8 @@ def hyperparameters(draw, name):
     if name in ("Adam", "AdamW"):
         return dict(
             lr=draw(LR),
-            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
-            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            betas=draw(BETAS),
+            eps=draw(EPS),
             weight_decay=draw(WEIGHT_DECAY),
             amsgrad=draw(st.booleans()),
             foreach=foreach,
@@ -167,8 +169,8 @@ def hyperparameters(draw, name):
     if name == "Adamax":
         return dict(
             lr=draw(LR),
-            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
-            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            betas=draw(BETAS),
+            eps=draw(EPS),
             weight_decay=draw(WEIGHT_DECAY),
             foreach=foreach,
             maximize=maximize,
@@ -195,8 +197,8 @@ def hyperparameters(draw, name):
     if name == "NAdam":
         return dict(
             lr=draw(LR),
-            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
-            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            betas=draw(BETAS),
+            eps=draw(EPS),
             weight_decay=draw(WEIGHT_DECAY),
             momentum_decay=draw(st.sampled_from([4e-3, 0.1])),
             decoupled_weight_decay=draw(st.booleans()),
@@ -216,8 +218,8 @@ def hyperparameters(draw, name):
     if name == "RAdam":
         return dict(
             lr=draw(LR),
-            betas=(draw(st.floats(0.5, 0.95)), draw(st.floats(0.9, 0.9999))),
-            eps=draw(st.sampled_from([1e-8, 1e-3])),
+            betas=draw(BETAS),
+            eps=draw(EPS),
             weight_decay=draw(WEIGHT_DECAY),
             decoupled_weight_decay=draw(st.booleans()),
             foreach=foreach,
