@@ -511,6 +511,10 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             group, params, torch_fused=self._parent_has_torch_fused, compiled=False
         )
 
+    def _torch_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool | None:
+        """``foreach`` for a functional update that has no fused implementation."""
+        return self._torch_implementation(group, params).functional_kwargs()["foreach"]
+
     def _update(
         self,
         group: dict[str, Any],

@@ -92,7 +92,7 @@ class Adadelta(MixedPrecisionOptimizer, torch.optim.Adadelta):
             states["square_avg"],
             states["acc_delta"],
             steps,
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             lr=group["lr"],
             rho=group["rho"],
             eps=group["eps"],

@@ -108,7 +108,7 @@ class Adafactor(MixedPrecisionOptimizer, torch.optim.Adafactor):
             states["col_var"],
             states["variance"],
             steps,
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             d=group["d"],
             lr=group["lr"],
             beta2_decay=group["beta2_decay"],

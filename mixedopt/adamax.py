@@ -92,7 +92,7 @@ class Adamax(MixedPrecisionOptimizer, torch.optim.Adamax):
             states["exp_avg"],
             states["exp_inf"],
             steps,
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             maximize=group["maximize"],
             eps=group["eps"],
             beta1=beta1,

@@ -110,7 +110,7 @@ class ASGD(MixedPrecisionOptimizer, torch.optim.ASGD):
             states["mu"],
             states["eta"],
             steps,
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             maximize=group["maximize"],
             lambd=group["lambd"],
             lr=group["lr"],

@@ -109,7 +109,7 @@ class NAdam(MixedPrecisionOptimizer, torch.optim.NAdam):
             states["mu_product"],
             steps,
             decoupled_weight_decay=group["decoupled_weight_decay"],
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             maximize=group["maximize"],
             beta1=beta1,
             beta2=beta2,

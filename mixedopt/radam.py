@@ -96,7 +96,7 @@ class RAdam(MixedPrecisionOptimizer, torch.optim.RAdam):
             states["exp_avg_sq"],
             steps,
             decoupled_weight_decay=group["decoupled_weight_decay"],
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             maximize=group["maximize"],
             beta1=beta1,
             beta2=beta2,

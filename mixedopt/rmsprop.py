@@ -124,7 +124,7 @@ class RMSprop(MixedPrecisionOptimizer, torch.optim.RMSprop):
             weight_decay=group["weight_decay"],
             momentum=group["momentum"],
             centered=group["centered"],
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             maximize=group["maximize"],
         )
 

@@ -101,7 +101,7 @@ class Rprop(MixedPrecisionOptimizer, torch.optim.Rprop):
             states["prev"],
             states["step_size"],
             steps,
-            foreach=self._torch_implementation(group, params).functional_kwargs()["foreach"],
+            foreach=self._torch_foreach(group, params),
             maximize=group["maximize"],
             step_size_min=step_size_min,
             step_size_max=step_size_max,
