@@ -14,6 +14,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, cast
 
 import torch
@@ -246,7 +247,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         """
         return self._grad_storage.true_grad(param)
 
-    def step_in_backward(self) -> UpdatingBackward:
+    def step_in_backward(self) -> AbstractContextManager[object]:
         """A context in which ``backward()`` updates the weights as it produces the gradients.
 
         ``with optimizer.step_in_backward(): loss.backward()`` does what ``loss.backward();
@@ -271,7 +272,7 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
         another mixedopt optimizer holds, and ``remove_grad_storage()``.
 
         Returns:
-            The context manager (an ``UpdatingBackward``); it may be entered again.
+            The context manager; it may be entered again.
 
         Example:
             ```python
@@ -286,9 +287,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             assert model.weight.grad is None
             ```
         """
-        return UpdatingBackward(self, self._grad_storage, self._in_backward)
+        return UpdatingBackward(
+            self, self._grad_storage, self._in_backward, self._update_in_backward
+        )
 
-    def update_in_backward(self, by_group: list[list[Tensor]]) -> bool:
+    def _update_in_backward(self, by_group: list[list[Tensor]]) -> bool:
         """For ``step_in_backward()``: update ``by_group``'s parameters as ``step()`` would.
 
         Args:
@@ -446,8 +449,8 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
             return
         self._warned_compiled_autograd = True
         warnings.warn(
-            "mixedopt: compiled autograd (torch._dynamo.config.compiled_autograd) traced the "
-            "backward into one graph, where mixedopt leaves the gradients float32 until "
+            "mixedopt: compiled autograd traced the backward into one graph, where mixedopt "
+            "leaves the gradients float32 until "
             "step(): the steps are right, but no gradient memory is saved. Turn it off to have "
             f"the gradients stored in {self.grad_dtype}.",
             UserWarning,

@@ -1,7 +1,7 @@
 """Stepping in backward: stored gradients update their parameters batch by batch, in backward.
 
 ``UpdatingBackward`` is the context ``optimizer.step_in_backward()`` returns. It gathers the
-buckets the storage hands it and calls the optimizer's ``update_in_backward`` on each batch (the
+buckets the storage hands it and calls the update its optimizer gave it on each batch (the
 same weights as ``step()``); at its end it calls ``step()`` once. What needs every gradient first
 (``max_grad_norm``, GradScaler) is refused. See docs/design.md, "Stepping in backward".
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
 
 
 class UpdatesInBackward(Protocol):
-    """What ``UpdatingBackward`` needs of its optimizer: torch's API and one method for it."""
+    """What ``UpdatingBackward`` needs of its optimizer: torch's API and two mixedopt attributes."""
 
     param_groups: list[dict[str, Any]]
     max_grad_norm: float | None
@@ -41,9 +42,9 @@ class UpdatesInBackward(Protocol):
 
     def step(self) -> Any: ...
 
-    def update_in_backward(self, by_group: list[list[Tensor]]) -> bool:
-        """Update ``by_group``'s parameters as ``step()`` would; False: nothing updated (inf)."""
-        ...
+
+# Updates a list per param group of parameters as step() would; False: nothing updated (inf/NaN).
+UpdateInBackward = Callable[[list[list[Tensor]]], bool]
 
 
 class InBackwardState:
@@ -80,12 +81,18 @@ class UpdatingBackward:
         optimizer: the optimizer whose parameters the backwards update.
         storage: the gradient storage that hands it the stored gradients.
         state: the optimizer's side of the mode (whether it is on, backwards stopped by inf/NaN).
+        update: updates a batch of parameters whose gradients were stored, as ``step()`` would.
     """
 
     def __init__(
-        self, optimizer: UpdatesInBackward, storage: GradientStorage, state: InBackwardState
+        self,
+        optimizer: UpdatesInBackward,
+        storage: GradientStorage,
+        state: InBackwardState,
+        update: UpdateInBackward,
     ) -> None:
         self.optimizer = optimizer
+        self.update = update
         self.storage = storage
         self.state = state
         groups = optimizer.param_groups
@@ -247,7 +254,7 @@ class UpdatingBackward:
         by_group: list[list[Tensor]] = [[] for _ in self.optimizer.param_groups]
         for p in params:
             by_group[self.group_of[id(p)]].append(p)
-        if not self.optimizer.update_in_backward(by_group):
+        if not self.update(by_group):
             self.stopped = True
             self._discard(params)
             return
