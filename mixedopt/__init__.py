@@ -12,6 +12,10 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+from ._support import check_torch  # noqa: E402
+
+check_torch()  # a torch that lacks what mixedopt uses fails here, not in the middle of training
+
 from ._autocast import autocast  # noqa: E402
 from ._core import MixedPrecisionOptimizer  # noqa: E402
 from .adadelta import Adadelta  # noqa: E402
