@@ -280,7 +280,8 @@ print(f"\\nbytes held by gradients: {grad_bytes:,} ({grad_bytes / n_params:.0f} 
         "md",
         """
 `p.grad` holds the true gradient times a per-tensor power of two, the *storage scale*,
-chosen when the gradient is stored so that its largest magnitude lies in [128, 256):
+chosen when the gradient is stored so that its largest magnitude lies in [128, 256] (in
+[128, 256) before the float16 rounding):
 small gradients do not flush to zero and large ones do not overflow. A power of two is
 exact to apply and to undo. `optimizer.true_grad(p)` returns the true float32 gradient;
 use it for logging and debugging, and do not hand `p.grad` itself to code that expects
