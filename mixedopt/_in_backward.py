@@ -118,7 +118,10 @@ class UpdatingBackward:
     def _check(self) -> None:
         optimizer, storage, state = self.optimizer, self.storage, self.state
         if state.mode is not None:
-            self._refuse("already on; a backward in it updates the weights once")
+            self._refuse(
+                "already on: its with block was entered again inside itself; a backward in it "
+                "updates the weights once, so one block is enough"
+            )
         if optimizer.max_grad_norm is not None:
             self._refuse(
                 "max_grad_norm clips by the norm of all gradients, known only when backward "
