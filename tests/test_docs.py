@@ -437,7 +437,7 @@ def documented_flags() -> dict[str, set[str]]:
 
 
 COMMANDS = ["mixedopt", "mixedopt.bench", "mixedopt.bench.small", "mixedopt.bench.launches"]
-COMMANDS += ["mixedopt.bench.in_backward", "mixedopt.bench.threads"]
+COMMANDS += ["mixedopt.bench.in_backward", "mixedopt.bench.threads", "mixedopt.bench.bytes"]
 
 
 def help_of(module: str, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> str:

@@ -6,7 +6,8 @@ branch mixedopt takes on an accelerator and do no work, so a ``TorchDispatchMode
 any machine and deterministically, what a GPU would pay (``LaunchCounter``):
 
 * launches: the aten operations dispatched on non-CPU tensors, except views and what launches
-  no kernel (allocations, ``detach``, ``lift_fresh``, the profiler's record-function markers);
+  no kernel (allocations, ``detach``, ``lift_fresh``, ``set_``, the profiler's record-function
+  markers);
 * host synchronisations: ``_local_scalar_dense`` (``.item()``, ``bool()``) on a non-CPU tensor.
   A meta tensor holds no value: the counter answers ``False``/``0`` (no inf or NaN found).
 
@@ -35,7 +36,8 @@ from torch.utils._pytree import tree_leaves
 
 import mixedopt
 
-# Operations that run no kernel: allocations, and what only makes a new tensor object.
+# Operations that run no kernel: allocations, and what only makes a new tensor object or
+# points one at a storage (``set_``, fused=True's flat alias of a parameter).
 NO_LAUNCH = frozenset(
     {
         "empty",
@@ -45,6 +47,7 @@ NO_LAUNCH = frozenset(
         "new_empty_strided",
         "detach",
         "lift_fresh",
+        "set_",
         "_record_function_enter_new",
         "_record_function_exit",
     }
@@ -52,10 +55,16 @@ NO_LAUNCH = frozenset(
 
 
 class LaunchCounter(TorchDispatchMode):
-    """Counts the kernel launches and host synchronisations of the code run under it."""
+    """Counts the kernel launches and host synchronisations of the code run under it.
 
-    def __init__(self) -> None:
+    Args:
+        cpu: count the operations on CPU tensors as launches too, for code that cannot run on
+            the meta device (autocast); host synchronisations stay those of non-CPU tensors.
+    """
+
+    def __init__(self, cpu: bool = False) -> None:
         super().__init__()
+        self.cpu = cpu
         self.launches = 0
         self.syncs = 0
         self.by_name: Counter[str] = Counter()  # launches per operation
@@ -69,13 +78,21 @@ class LaunchCounter(TorchDispatchMode):
                 return False if tensor.dtype == torch.bool else 0
             return func(*args, **kwargs)
         out = func(*args, **kwargs)
-        name = func.overloadpacket.__name__
-        if not func.is_view and name not in NO_LAUNCH:
-            tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
-            if any(t.device.type != "cpu" for t in tensors):
-                self.launches += 1
-                self.by_name[name] += 1
+        if self.launches_kernel(func, args, kwargs, out):
+            self.launches += 1
+            self.by_name[func.overloadpacket.__name__] += 1
+            self.launched(func, args, kwargs, out)
         return out
+
+    def launches_kernel(self, func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+        """Whether the aten operation ``func`` run on ``args`` and ``kwargs`` launched a kernel."""
+        if func.is_view or func.overloadpacket.__name__ in NO_LAUNCH:
+            return False
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        return any(self.cpu or t.device.type != "cpu" for t in tensors)
+
+    def launched(self, func: Any, args: Any, kwargs: Any, out: Any) -> None:
+        """Called after each launch counted, for a subclass to count more of it."""
 
 
 @dataclass(frozen=True)
