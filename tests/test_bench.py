@@ -37,7 +37,7 @@ PERSISTENT = {
 
 SMALL = ["--numel", str(NUMEL), "--params", str(PARAMS), "--repeat", "2", "--warmup", "1"]
 SMALL += ["--stream-mib", "4", "--threads", "1", "--device", "cpu", "--no-iteration", "--no-small"]
-SMALL += ["--no-launches"]
+SMALL += ["--no-launches", "--no-medium"]
 
 
 def _run(tmp_path, *extra):

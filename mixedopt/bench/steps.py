@@ -43,6 +43,10 @@ Columns
       slower, since writing ``y`` also reads it into the cache first, and would put in-place
       updates above 100%. A step can still exceed 100% when its tensors fit in the caches.
 
+Then the medium-tensors regime, a training iteration of an MLP 256-512-512-512-10 with its
+forward and backward, and its step, timed apart (``mixedopt.bench.medium``; ``--no-medium``
+leaves it out).
+
 After the tables, the kernel launches and host synchronisations of the accelerator path,
 counted on meta parameters for small and large ``Linear`` layers (``mixedopt.bench.launches``;
 ``--no-launches`` leaves them out): what a GPU pays per parameter, counted on any machine.
@@ -70,7 +74,7 @@ from typing import Any
 
 import torch
 
-from . import launches, small
+from . import launches, medium, small
 from .format import format_iteration, format_table, machine_info
 from .memory import CHILD_FLAG, child_memory, measure_memory_in_child
 from .setup import BASELINE, DEFAULT_OPTIMIZERS, OPTIMIZERS, VARIANTS, Row, positive
@@ -172,6 +176,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "least; see mixedopt.bench.small)",
     )
     parser.add_argument(
+        "--no-medium",
+        dest="medium",
+        action="store_false",
+        help="skip the medium-tensors regime (an MLP 256-512-512-512-10, AdamW, batch 128: "
+        "forward and backward, and the step, timed apart over 5 x --repeat iterations, 100 at "
+        "least; see mixedopt.bench.medium)",
+    )
+    parser.add_argument(
         "--no-launches",
         dest="launches",
         action="store_false",
@@ -248,6 +260,8 @@ def _run_count(args: argparse.Namespace, children: bool) -> int:
     if args.iteration:
         count += len(ITERATION_VARIANTS) + 1
     if args.small:
+        count += 1
+    if args.medium:
         count += 1
     if args.launches:
         count += 1
@@ -359,6 +373,18 @@ def _measure_and_print(
         out("Many small parameters: mixedopt next to torch.optim (ratios: lower is faster)")
         out()
         out(text)
+    medium_figures: dict[str, Any] = {}
+    if args.medium:
+        medium_repeat = max(5 * args.repeat, 100)
+        progress(
+            f"medium tensors: {medium_repeat} iterations of each of {2 * len(medium.PAIRS)} "
+            "optimizers, in turn"
+        )
+        text, medium_figures = medium.report(repeat=medium_repeat, device=args.device)
+        out()
+        out("Medium tensors: mixedopt next to torch.optim (ratios: lower is faster)")
+        out()
+        out(text)
     launch_rows: list[dict[str, Any]] = []
     if args.launches:
         progress("kernel launches of the accelerator path, counted on meta parameters")
@@ -382,6 +408,7 @@ def _measure_and_print(
             "rows": [asdict(row) for row in rows],
             "iteration": iteration,
             "small": small_figures,
+            "medium": medium_figures,
             "launches": launch_rows,
         }
         Path(args.json).write_text(json.dumps(document, indent=2) + "\n")
