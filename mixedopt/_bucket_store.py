@@ -14,7 +14,7 @@ import math
 import operator
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -39,7 +39,7 @@ _call = weakref.ref.__call__
 class BucketPlan:
     """A bucket's layout in rows and its views, for the buckets a training loop fills again."""
 
-    __slots__ = ("slots", "layout", "runs", "param_strides", "staging_views")
+    __slots__ = ("slots", "layout", "runs", "param_strides")
 
     def __init__(
         self,
@@ -55,9 +55,6 @@ class BucketPlan:
         # The parameters' strides it was made for (``None``: all of them contiguous).
         self.param_strides = param_strides
         self.runs = runs  # each gradient's view, in its parameter's layout, of a row buffer
-        # The staging buffer last used for it, and the gradients' views of it: one pair, read
-        # and replaced whole (the claims on the slots keep one store of a plan at a time).
-        self.staging_views: tuple[Tensor, list[Tensor]] | None = None
 
 
 class StoredBucket:
@@ -151,9 +148,9 @@ class GroupIndex:
         return indices
 
 
-# What a staging buffer last held (``Staging.layout``) when it held no bucket's rows.
-_CLEAN = "zeros"  # nothing yet: zeros
-_SCRATCH = "scratch"  # used as scratch space (``Staging.scratch``): anything
+# What a staging buffer last held (``Staging.layout``) when it held no bucket's rows: anything
+# (new memory, or scratch space, ``Staging.scratch``).
+_SCRATCH = "scratch"
 
 
 class Staging:
@@ -161,43 +158,55 @@ class Staging:
 
     Owned by one store at a time: ``BucketStore.lend_staging`` lends it from a pool per device
     and takes it back when the store ends, so that stores running at once on several threads
-    each have their own, and a training loop's stores find a warm one. Grown to the largest
-    bucket stored (at most a bucket's capacity).
+    each have their own, and the next store of a backward finds a warm one; the pool lets go of
+    it once no backward runs. Grown to the largest bucket stored (at most a bucket's capacity).
     """
 
-    __slots__ = ("device", "buffer", "layout", "rows")
+    __slots__ = ("device", "buffer", "layout", "rows", "_views")
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.buffer = torch.zeros(0, device=device)
-        # The layout whose rows it holds (its padding zero), or ``_CLEAN`` or ``_SCRATCH``.
-        self.layout: RowLayout | str = _CLEAN
+        self.buffer = torch.empty(0, device=device)
+        # The layout whose rows it holds (its padding zero), or ``_SCRATCH``.
+        self.layout: RowLayout | str = _SCRATCH
         self.rows = self.buffer
+        # The gradients' views of the buffer, per plan: made once per buffer (they hold it, so
+        # they go with it).
+        self._views: dict[BucketPlan, list[Tensor]] = {}
 
     def grown(self, elements: int) -> Tensor:
-        """The buffer, replaced by zeros of ``elements`` if it is shorter."""
+        """The buffer, replaced by new memory of ``elements`` if it is shorter."""
         if self.buffer.numel() < elements:
-            self.buffer = torch.zeros(elements, device=self.device)
-            self.layout = _CLEAN
+            self.buffer = torch.empty(elements, device=self.device)
+            self.layout = _SCRATCH
+            self._views = {}
         return self.buffer
+
+    def views(self, plan: BucketPlan) -> list[Tensor]:
+        """The views of the buffer ``plan``'s gradients are copied into (after ``rows_for``)."""
+        found = self._views.get(plan)
+        if found is None:
+            if len(self._views) >= 16:
+                self._views.clear()
+            found = self._views[plan] = plan.runs.views(self.buffer)
+        return found
 
     def rows_for(self, layout: RowLayout) -> Tensor:
         """The buffer's rows for ``layout``, zero where they pad.
 
         A bucket writes its gradients where ``layout`` puts them and nothing else, so a bucket
         of the layout the buffer last had finds its padding still zero; another one zeroes the
-        buffer first.
+        rows its gradients fill only in part first (none where each fills its rows).
         """
         staging = self.grown(layout.elements)
         if self.layout is not layout:
             rows = staging[: layout.elements].view(layout.rows, ROW)
-            if self.layout is not _CLEAN:
-                rows.zero_()
+            layout.zero_padding(rows)
             self.layout, self.rows = layout, rows
         return self.rows
 
     def scratch(self, elements: int) -> Tensor:
-        """The buffer, at least ``elements`` long, as scratch space (a bucket zeroes it next)."""
+        """The buffer, at least ``elements`` long, as scratch space (for anything)."""
         staging = self.grown(elements)
         self.layout = _SCRATCH
         return staging
@@ -212,11 +221,16 @@ class BucketStore:
     fill; the record of stored buckets is guarded by a lock.
     """
 
-    def __init__(self, grad_dtype: torch.dtype, scales: StorageScales) -> None:
+    def __init__(
+        self, grad_dtype: torch.dtype, scales: StorageScales, running: Callable[[], bool]
+    ) -> None:
         self.grad_dtype = grad_dtype
         self._scales = scales
-        # Per device: the staging buffers no store is using (``lend_staging``).
+        # Per device: the staging buffers no store is using (``lend_staging``), kept while a
+        # backward runs (``running``), taken and given back under ``_staging_lock``.
         self._staging: dict[torch.device, list[Staging]] = {}
+        self._running = running
+        self._staging_lock = threading.Lock()
         self._layouts = LayoutCache()
         self._plans: dict[tuple[torch.device, tuple[int, ...]], BucketPlan] = {}
         # id(stats) -> the buckets stored, while their gradients live; changed under
@@ -226,23 +240,38 @@ class BucketStore:
 
     def clear(self) -> None:
         """Give the buffers back (the storage manages no parameter any more)."""
-        self._staging.clear()
+        with self._staging_lock:
+            self._staging.clear()
         self._plans.clear()
+        self._layouts = LayoutCache()
         with self._stored_lock:
             self._stored.clear()
 
     @contextlib.contextmanager
     def lend_staging(self, device: torch.device) -> Iterator[Staging]:
-        """A staging buffer of ``device`` for one store, given back to the pool after it."""
-        pool = self._staging.setdefault(device, [])
-        try:
-            staging = pool.pop()
-        except IndexError:  # every one is in use: one more
-            staging = Staging(device)
-        try:
-            yield staging
-        finally:
-            pool.append(staging)
+        """A staging buffer of ``device`` for one store, given back to the pool after it.
+
+        The pool keeps it for the next store while a backward runs; the store that ends the
+        last one running empties the pool, so that no staging buffer stays between steps (a
+        store that raised lets its buffer go).
+        """
+        with self._staging_lock:
+            pool = self._staging.setdefault(device, [])
+            staging = pool.pop() if pool else Staging(device)  # none free: one more
+        yield staging
+        # Under the lock with the check: a store that ends the last backward empties the pool
+        # after any other store put its buffer back.
+        with self._staging_lock:
+            if self._running():
+                pool.append(staging)
+            else:
+                pool.clear()
+
+    def release_staging(self) -> None:
+        """Empty the pool of staging buffers unless a backward runs (one has just ended)."""
+        with self._staging_lock:
+            if not self._running():
+                self._staging.clear()
 
     def store(self, bucket: Bucket) -> list[Slot]:
         """Store a bucket's gradients: a fixed number of operations for all of them.
@@ -273,10 +302,7 @@ class BucketStore:
         device = staging.device
         layout = plan.layout
         rows = staging.rows_for(layout)
-        found = plan.staging_views
-        if found is None or found[0] is not staging.buffer:
-            found = plan.staging_views = (staging.buffer, plan.runs.views(staging.buffer))
-        views = found[1]
+        views = staging.views(plan)
         torch._foreach_copy_(views, grads)
         grads.clear()
         if previous:
@@ -320,10 +346,18 @@ class BucketStore:
         """Keep where a bucket was stored, while its gradients live (``stored_bucket``)."""
         record = StoredBucket(stats, stored, plan, slots)
         with self._stored_lock:
-            found = self._stored
-            for key in [k for k, old in found.items() if old.stored() is None]:
-                del found[key]
-            found[id(stats)] = record
+            self._forget_gone()
+            self._stored[id(stats)] = record
+
+    def forget_gone(self) -> None:
+        """Forget the stored buckets whose buffers are gone (a record holds its parameters)."""
+        with self._stored_lock:
+            self._forget_gone()
+
+    def _forget_gone(self) -> None:
+        found = self._stored
+        for key in [k for k, old in found.items() if old.stored() is None]:
+            del found[key]
 
     def stored_bucket(self, stats: Tensor) -> StoredRows | None:
         """The 16-bit buffer of rows the gradients of ``stats`` are views of, with its layout.

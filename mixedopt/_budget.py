@@ -37,6 +37,16 @@ ACCELERATOR_FUSED_SMALL = 1 << 20
 # costs a few launches beyond torch's own update whatever its size; at 64 Mi elements they are
 # a few percent of the memory time of its update.
 ACCELERATOR_BATCH = 1 << 26
+# What mixedopt holds between steps on the host beyond the weights, the gradients (their 16-bit
+# buffers) and the optimizer's state: at most HELD_BETWEEN_STEPS bytes, plus HELD_PER_TENSOR per
+# parameter tensor (tests/test_live_memory.py audits it; docs/design.md, "Packing and budgets").
+# The buffers a step or a backward works in go back to the allocator when it ends. What stays:
+# the float16 scale table (255 scales and the 254 bounds of float32's binades, 2 KiB per
+# device) and a few scalars; per tensor, its storage scale and bound (8 B), and its place in the
+# index tables a training loop repeats (8 B in each: a bucket's row counts, the positions a step
+# gathers at), with room for a few tables more than a loop of backward() and step() keeps.
+HELD_BETWEEN_STEPS = 4 << 10
+HELD_PER_TENSOR = 64
 # The CPU's budget when set (tests give it an accelerator's, ``accelerator_budget``, to run the
 # accelerator path on the CPU); None: the CPU's own, from the limits above.
 CPU_BUDGET: Budget | None = None

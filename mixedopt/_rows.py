@@ -15,6 +15,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._budget import budget
+
 # Elements per row: small enough that padding costs little (a bias of 64 elements fills one),
 # large enough that per-row work is a small fraction of per-element work.
 ROW = 64
@@ -26,7 +28,14 @@ def rows_for(numel: int) -> int:
 
 
 class RowLayout:
-    """Where tensors of the given sizes sit in a buffer of rows, and which tensor each row is."""
+    """Where tensors of the given sizes sit in a buffer of rows, and which tensor each row is.
+
+    The rows of each tensor (``counts``, one number per tensor) are a tensor on the device. On
+    an accelerator the tensor of each row is a table there too (``per_row`` is one launch, and
+    no copy from the host). On the host that index is made when a value per row is, in int32
+    (one operation more, and the bytes of reading an int64 table): a layout kept between
+    steps holds a number per tensor, not per row.
+    """
 
     def __init__(self, numels: Sequence[int], device: torch.device) -> None:
         self.numels = tuple(numels)
@@ -37,28 +46,61 @@ class RowLayout:
             self.offsets.append(total * ROW)
             total += count
         self.rows = total
-        owners = [i for i, count in enumerate(rows) for _ in range(count)]
-        # The tensor of each row, as a column; and the rows of each tensor.
-        self.owner = torch.tensor(owners, dtype=torch.int64).reshape(-1, 1).to(device)
-        self._owner_pairs: Tensor | None = None  # ``owner`` in a table of pairs (``per_row_first``)
-        self.counts = torch.tensor(rows, dtype=torch.int64).to(device)
+        on_host = budget(device).on_host
+        self.counts = torch.tensor(rows, dtype=torch.int32 if on_host else torch.int64).to(device)
+        # The last row of each tensor that fills it only in part (``zero_padding``).
+        self.padded = [
+            (offset + n) // ROW
+            for offset, n in zip(self.offsets, self.numels, strict=True)
+            if n % ROW
+        ]
+        # An accelerator's tables: the tensor of each row, as a column; ``owner`` in a table of
+        # pairs (``per_row_first``); ``padded`` as an index. None on the host.
+        self._owner: Tensor | None = None
+        self._owner_pairs: Tensor | None = None
+        self._padded_index: Tensor | None = None
+        if not on_host:
+            owners = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(rows))
+            self._owner = owners.reshape(-1, 1).to(device)
+            if self.padded:
+                self._padded_index = torch.tensor(self.padded, dtype=torch.int64).to(device)
 
     @property
     def elements(self) -> int:
         return self.rows * ROW
 
+    def _owners(self) -> Tensor:
+        """The tensor of each row (the host's ``counts``, int32), made now."""
+        return torch.repeat_interleave(self.counts, output_size=self.rows)
+
     def per_row(self, values: Tensor) -> Tensor:
         """``values`` (one per tensor) as a ``(rows, 1)`` column: the value of each row's tensor."""
-        return torch.take(values, self.owner)
+        if self._owner is None:
+            return values.index_select(0, self._owners()).view(-1, 1)
+        return torch.take(values, self._owner)
 
     def per_row_first(self, pairs: Tensor) -> Tensor:
         """``per_row`` of the first column of ``pairs``, a table of two columns, a row per tensor.
 
-        One operation, where selecting the column first takes two.
+        One operation on an accelerator, where selecting the column first takes two.
         """
+        if self._owner is None:  # the column is a view: nothing copied
+            return pairs[:, 0].index_select(0, self._owners()).view(-1, 1)
         if self._owner_pairs is None:
-            self._owner_pairs = self.owner * 2
+            self._owner_pairs = self._owner * 2
         return torch.take(pairs, self._owner_pairs)
+
+    def zero_padding(self, rows: Tensor) -> None:
+        """Zero the rows of ``rows`` (``self.rows x ROW``) that a tensor fills only in part.
+
+        Writing each tensor where the layout puts it then leaves no element undefined.
+        """
+        if not self.padded:  # every tensor fills its rows (sizes multiples of ROW)
+            return
+        index = self._padded_index
+        if index is None:
+            index = torch.tensor(self.padded, dtype=torch.int64, device=rows.device)
+        rows.index_fill_(0, index, 0)
 
     def per_tensor_max(self, row_values: Tensor) -> Tensor:
         """The largest of each tensor's rows (0 for a tensor without rows); NaN propagates."""

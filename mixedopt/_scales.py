@@ -118,6 +118,10 @@ class StorageScales:
         self._unit_stats: dict[torch.device, Tensor] = {}  # [[1, 0]]: a gradient of true values
         self._indices = IndexCache()  # stats_table's index tensors
 
+    def clear(self) -> None:
+        """Forget the index tensors (the storage manages no parameter any more)."""
+        self._indices = IndexCache()
+
     def inverse(self, slots: list[Slot], grads: list[Tensor]) -> list[Tensor]:
         """1 / storage scale of each gradient (1 where it holds true values), 0-dim each."""
         device = grads[0].device

@@ -63,6 +63,7 @@ class StepStages:
         self, rules: UpdateRules, storage: GradientStorage, workspace: Workspace, name: str
     ) -> None:
         self.rules = rules
+        self.workspace = workspace
         self.reference = ReferencePath(rules, storage, workspace, name)
         self.whole_buckets = WholeBucketPath(rules, storage, workspace)
         self.fused = FusedPath(rules, workspace, storage.stored_bucket, self.reference.step_group)
@@ -122,17 +123,24 @@ class StepStages:
         return Scaling(factors, unscale, skip, fused, on_device, norm)
 
     def update(self, collected: Collected, scaling: Scaling) -> None:
-        """Update the whole buckets, then each group's entries, with ``scaling``'s factors."""
+        """Update the whole buckets, then each group's entries, with ``scaling``'s factors.
+
+        The workspace's buffers go back to the allocator at its end: nothing of the update's
+        size stays between steps.
+        """
         buckets, steps = collected
         device_skip = scaling.skip if scaling.on_device else None
-        if buckets:
-            self.whole_buckets.update(buckets, scaling.bucket_unscale, device_skip)
-        start = 0
-        for group, group_entries in steps:
-            assert scaling.factors is not None
-            group_factors = scaling.factors[start : start + len(group_entries)]
-            start += len(group_entries)
-            if scaling.fused:
-                self.fused.step_group(group, group_entries, group_factors, device_skip)
-            else:
-                self.reference.step_group(group, group_entries, group_factors)
+        try:
+            if buckets:
+                self.whole_buckets.update(buckets, scaling.bucket_unscale, device_skip)
+            start = 0
+            for group, group_entries in steps:
+                assert scaling.factors is not None
+                group_factors = scaling.factors[start : start + len(group_entries)]
+                start += len(group_entries)
+                if scaling.fused:
+                    self.fused.step_group(group, group_entries, group_factors, device_skip)
+                else:
+                    self.reference.step_group(group, group_entries, group_factors)
+        finally:
+            self.workspace.release()

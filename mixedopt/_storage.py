@@ -97,7 +97,7 @@ class GradientStorage:
         # Graph task id -> its ``Backward``, weakly (dead: the backward ended or raised).
         self._backwards: dict[int, weakref.ref[Backward]] = {}
         self._scales = StorageScales(grad_dtype)
-        self._bucket_store = BucketStore(grad_dtype, self._scales)
+        self._bucket_store = BucketStore(grad_dtype, self._scales, self._backward_running)
         self._consumed = 0  # slots with a consumer
         self.work = StorageWork()  # storage methods running, per thread (``deferring_releases``)
         # Releases that came where they could not run: during storage work, from a finalizer
@@ -362,6 +362,14 @@ class GradientStorage:
             torch.autograd.Variable._execution_engine.queue_callback(backward)
         return backward
 
+    def _backward_running(self) -> bool:
+        """Whether a backward that brought this storage a gradient has not ended yet.
+
+        Read without the lock (a copy of the records in one step): the bucket store asks it
+        when a store ends, to keep its staging buffers for the next store or let them go.
+        """
+        return any(backward() is not None for backward in list(self._backwards.values()))
+
     def _running(self, owner: int) -> bool:
         """Whether the holder of a claim, ``owner``, may still add to or store the gradient.
 
@@ -419,7 +427,10 @@ class GradientStorage:
             for bucket in buckets:
                 del self._filling[(task, bucket.device)]
             self._backwards.pop(task, None)
-        self._store_and_free(buckets)
+        try:
+            self._store_and_free(buckets)
+        finally:
+            self._bucket_store.release_staging()  # no staging buffer stays between backwards
 
     @deferring_releases  # a finalizer may run in the middle of it
     @torch.no_grad()
@@ -475,7 +486,10 @@ class GradientStorage:
         """
         with self._lock:
             orphans = self._adopt_orphans(None)
-        self._store_and_free(orphans)
+        try:
+            self._store_and_free(orphans)
+        finally:
+            self._bucket_store.release_staging()  # a backward that raised left its pool
 
     @deferring_releases
     def set_consumer(self, params: Iterable[Tensor], consumer: Consumer | None) -> None:
@@ -594,8 +608,12 @@ class GradientStorage:
                 self._uninstall(slot)
             finally:
                 del self._claims[slot]
-        if not self._slots:  # nothing left to store: give the buffers back
+        if leaving:  # what holds the slots (and so the parameters) lets go of them too
+            self._unchecked = [slot for slot in self._unchecked if slot.installed]
+            self._bucket_store.forget_gone()  # their 16-bit buffers went with their .grad
+        if not self._slots:  # nothing left to store: give the buffers and tables back
             self._bucket_store.clear()
+            self._scales.clear()
 
     def _uninstall(self, slot: Slot) -> None:
         self._consumed -= slot.consumer is not None

@@ -1,7 +1,9 @@
-"""The buffers an optimizer's step copies gradients, weights and state into, kept between steps.
+"""The buffers an optimizer's update copies gradients, weights and state into, for one update.
 
 A ``Workspace`` belongs to one optimizer (its ``step()``, and ``step_in_backward()``'s updates
-under that mode's lock): one step at a time uses it, as torch.optim's own state.
+under that mode's lock): one update at a time uses it, as torch.optim's own state. Its buffers
+and their views live until the update ends (``release``); between steps it keeps only what is
+sized to the number of parameters, not to their elements (index tables, how views are made).
 """
 
 from __future__ import annotations
@@ -17,37 +19,47 @@ from ._budget import budget
 from ._rows import ROW, IndexCache, LayoutCache, RowLayout, ViewRuns
 from ._strides import dense_strides, view_in
 
+_shape_of = Tensor.size
+_stride_of = Tensor.stride
+
 
 class Workspace:
-    """Buffers kept between steps, per device and role, and views of them.
+    """Buffers of one update, per device and role, and views of them.
 
     A pack copies its parameters' weights, gradients and state into a buffer per role (each at
-    most ``capacity`` elements, zero at first, so that padding holds only numbers the update
-    keeps finite). The views of a buffer in each parameter's layout are made once and kept: a
-    training loop packs the same parameters every step.
+    most ``capacity`` elements). The buffers are made by the update's first batch that needs
+    them, reused by its next batches, and let go with their views when it ends (``release``),
+    as torch.optim's own temporaries are: what stays between steps is bounded by
+    ``_budget.HELD_BETWEEN_STEPS`` and ``HELD_PER_TENSOR``. They are new memory, left
+    uninitialised: what reads a buffer reads the views written there, and the elementwise
+    updates that run over whole rows leave the padding between parameters to itself. How the
+    views of a pack's parameters are made (``ViewRuns``, a few operations for all of them, no
+    memory) is kept: a training loop packs the same parameters every step.
     """
 
-    _MAX_VIEWS = 4096
+    _MAX_RUNS = 64
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.device, str, torch.dtype], Tensor] = {}
-        self._views: dict[tuple[Any, ...], Tensor] = {}
-        # (buffer key, ids of runs) -> (the runs, the rows of the buffer they take, the rows of
-        # each, their views of the buffer)
-        self._run_views: dict[
-            tuple[Any, ...], tuple[list[ViewRuns], Tensor, list[Tensor], list[Tensor]]
-        ] = {}
+        # (shapes, strides) of a pack's parameters -> their views' runs in its layout.
+        self._runs: dict[tuple[Any, ...], ViewRuns] = {}
         self._layouts = LayoutCache()
         self._indices = IndexCache()
         # Per parameter: the memory its 1-D aliases were made for, and the aliases (fused=True).
         self.aliases: dict[int, tuple[tuple[Any, ...], list[Tensor]]] = {}
         self._padding: dict[tuple[Any, ...], list[tuple[Tensor | None, ...]]] = {}
 
-    def clear(self) -> None:
-        """Forget every buffer, view and alias (the state was replaced: ``load_state_dict``)."""
+    def release(self) -> None:
+        """Let go of the buffers (the update ended): the allocator takes them back.
+
+        Dropped, not shrunk in place: a view of a buffer that something still holds (a
+        traceback's frame) keeps its memory, and reading it stays safe.
+        """
         self._buffers.clear()
-        self._views.clear()
-        self._run_views.clear()
+
+    def clear(self) -> None:
+        """Forget every buffer and alias (the state was replaced: ``load_state_dict``)."""
+        self._buffers.clear()
         self.aliases.clear()
 
     def padding(self, count: int, like: Sequence[Tensor | None]) -> list[tuple[Tensor | None, ...]]:
@@ -75,27 +87,19 @@ class Workspace:
         return self._indices.get(positions, device)
 
     def buffer(self, role: str, dtype: torch.dtype, device: torch.device, elements: int) -> Tensor:
-        """The flat buffer of ``role``, at least ``elements`` long.
+        """The flat buffer of ``role``, at least ``elements`` long, uninitialised.
 
-        Kept between steps, zero at first, up to the device's ``capacity`` elements. A longer
-        one (a batch of the default step on an accelerator) is new memory each time, left
-        uninitialised, which the allocator takes back once the batch is done (``keeps``): the
-        default step reads only the views of gradients it wrote there.
+        Up to the device's ``capacity`` elements it is kept until the update ends, for its next
+        batches. A longer one (a batch of the default step on an accelerator) is new memory
+        each time, which the allocator takes back once the batch is done.
         """
-        if not self.keeps(device, elements):
+        if elements > budget(device).capacity:
             return torch.empty(elements, dtype=dtype, device=device)
         key = (device, role, dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < elements:
-            buffer = self._buffers[key] = torch.zeros(elements, dtype=dtype, device=device)
-            self._views = {k: v for k, v in self._views.items() if k[0] != key}
-            self._run_views = {k: v for k, v in self._run_views.items() if k[0] != key}
+            buffer = self._buffers[key] = torch.empty(elements, dtype=dtype, device=device)
         return buffer
-
-    @staticmethod
-    def keeps(device: torch.device, elements: int) -> bool:
-        """Whether a buffer of ``elements`` is kept between steps, with its views."""
-        return elements <= budget(device).capacity
 
     def run_views(
         self,
@@ -111,25 +115,13 @@ class Workspace:
         """
         elements = sum(layout.elements for layout, _ in plans)
         buffer = self.buffer(role, dtype, device, elements)
-        kept = self.keeps(device, elements)
-        key = ((device, role, dtype), tuple(id(runs) for _, runs in plans))
-        found = self._run_views.get(key) if kept else None
-        if found is None or any(
-            mine is not runs for mine, (_, runs) in zip(found[0], plans, strict=True)
-        ):
-            parts, views = [], []
-            start = 0
-            for layout, runs in plans:
-                parts.append(buffer[start : start + layout.elements].view(layout.rows, ROW))
-                views += runs.views(buffer[start:])
-                start += layout.elements
-            rows = buffer[:elements].view(-1, ROW)
-            found = ([runs for _, runs in plans], rows, parts, views)
-            if kept:
-                if len(self._run_views) >= 64:
-                    self._run_views.clear()
-                self._run_views[key] = found
-        return found[1], found[2], found[3]
+        parts, views = [], []
+        start = 0
+        for layout, runs in plans:
+            parts.append(buffer[start : start + layout.elements].view(layout.rows, ROW))
+            views += runs.views(buffer[start:])
+            start += layout.elements
+        return buffer[:elements].view(-1, ROW), parts, views
 
     def rows(
         self, role: str, dtype: torch.dtype, layout: RowLayout, params: Sequence[Tensor]
@@ -141,19 +133,17 @@ class Workspace:
         """
         device = params[0].device
         buffer = self.buffer(role, dtype, device, layout.elements)
-        buffer_key = (device, role, dtype)
         rows = buffer[: layout.elements].view(layout.rows, ROW)
-        if not self.keeps(device, layout.elements):
+        if layout.elements > budget(device).capacity:  # a batch of its own: views one by one
             strides = map(dense_strides, params)
             return rows, list(map(view_in, repeat(buffer), layout.offsets, params, strides))
-        views = []
-        cached = self._views
-        for p, offset in zip(params, layout.offsets, strict=True):
-            key = (buffer_key, offset, p.shape, p.stride())
-            view = cached.get(key)
-            if view is None:
-                if len(cached) >= self._MAX_VIEWS:
-                    cached.clear()
-                view = cached[key] = view_in(buffer, offset, p, dense_strides(p))
-            views.append(view)
-        return rows, views
+        # The shapes and strides give the layout (its sizes) and the runs: one key, read in C.
+        key = (tuple(map(_shape_of, params)), tuple(map(_stride_of, params)))
+        runs = self._runs.get(key)
+        if runs is None:
+            if len(self._runs) >= self._MAX_RUNS:
+                self._runs.clear()
+            runs = self._runs[key] = ViewRuns(
+                [p.shape for p in params], [dense_strides(p) for p in params], layout.offsets
+            )
+        return rows, runs.views(buffer)

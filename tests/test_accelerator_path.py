@@ -131,17 +131,27 @@ def test_joined_batches_give_the_weights_of_one_batch_per_bucket(name):
         assert torch.equal(mine, theirs)
 
 
-def test_the_step_keeps_no_buffer_larger_than_a_bucket_between_steps():
-    """A batch of the default step is taken from the allocator and given back after it."""
+def test_the_step_keeps_no_buffer_larger_than_a_bucket_and_none_between_steps():
+    """A batch of the default step is taken from the allocator and given back after it; the
+    buffer of a bucket's size the step's batches share goes back when the step ends."""
     params = params_of([(3000,)] * 5 + [(10,)] * 3)
     opt = mixedopt.RMSprop(params)
+    workspace = opt._workspace
+    kept_until_the_end = []
+    release = workspace.release
+
+    def recorded_release():
+        kept_until_the_end.append([buffer.numel() for buffer in workspace._buffers.values()])
+        release()
+
+    workspace.release = recorded_release
     with on_accelerator(batch=10_000):  # the large gradients in batches of 9000 and 6000
         for i in range(3):
             backward(params, [0] * 8, i)
             opt.step()
             opt.zero_grad()
-    kept = [buffer.numel() for buffer in opt._workspace._buffers.values()]
-    assert kept == [3 * 64]  # the small gradients' bucket
+    assert kept_until_the_end[-1] == [3 * 64]  # the small gradients' bucket
+    assert not workspace._buffers
 
 
 def test_a_step_of_the_default_path_reads_one_value_on_the_host():
