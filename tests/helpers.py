@@ -415,3 +415,20 @@ def peak_in_child(script, *args):
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])["extra"]
+
+
+def sgd_with_a_pass_more(params):
+    """mixedopt.SGD whose step() ends with one more operation over every parameter.
+
+    What the launch and byte counts must see: one launch and 8 bytes per element more.
+    """
+    optimizer = mixedopt.SGD(params, lr=0.1, foreach=True)
+    step = optimizer.step
+
+    def step_and_touch():
+        step()
+        for p in params:
+            p.detach().add_(0)
+
+    optimizer.step = step_and_touch
+    return optimizer

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import setting
+from helpers import setting, sgd_with_a_pass_more
 
 import mixedopt
 import mixedopt._budget
@@ -212,18 +212,6 @@ def test_the_roofline_adds_launches_bytes_and_flops():
 def test_a_count_sees_a_pass_more_over_every_parameter():
     """The measurement itself: a pass over the weights after step() adds 8 bytes per element."""
 
-    def with_extra(params):
-        optimizer = mixedopt.SGD(params, lr=0.1, foreach=True)
-        step = optimizer.step
-
-        def step_and_touch():
-            step()
-            for p in params:
-                p.detach().add_(0)
-
-        optimizer.step = step_and_touch
-        return optimizer
-
     plain = count_iteration(lambda p: mixedopt.SGD(p, lr=0.1, foreach=True), ACCELERATOR)
-    extra = count_iteration(with_extra, ACCELERATOR)
+    extra = count_iteration(sgd_with_a_pass_more, ACCELERATOR)
     assert extra.step.bytes - plain.step.bytes == 8 * plain.params

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import sgd_with_a_pass_more
 
 import mixedopt
 from mixedopt.bench.launches import MODELS, OPTIMIZERS, LaunchCounter, launch_counts, launch_table
@@ -68,20 +69,8 @@ def test_the_default_step_synchronises_with_the_host_once(rows, model, optimizer
 def test_the_count_sees_a_launch_per_parameter():
     """The measurement itself: an operation per parameter after step() shows as one more."""
 
-    def with_extra(params):
-        opt = mixedopt.SGD(params, lr=0.1, foreach=True)
-        step = opt.step
-
-        def step_and_touch():
-            step()
-            for p in params:
-                p.detach().add_(0)
-
-        opt.step = step_and_touch
-        return opt
-
     plain = launch_counts(lambda p: mixedopt.SGD(p, lr=0.1, foreach=True), 4, 64, True)
-    extra = launch_counts(with_extra, 4, 64, True)
+    extra = launch_counts(sgd_with_a_pass_more, 4, 64, True)
     assert extra.step - plain.step == plain.params
 
 

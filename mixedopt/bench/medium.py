@@ -29,23 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-import mixedopt
-
+from . import small
 from .small import in_turn
 
 WIDTHS = (256, 512, 512, 512, 10)
 BATCH = 128
-# name -> (torch.optim optimizer, mixedopt optimizer), each built from model.parameters().
-PAIRS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], Callable[[Any], Any]]] = {
-    "AdamW, default vs foreach": (
-        lambda p: torch.optim.AdamW(p, foreach=True),
-        lambda p: mixedopt.AdamW(p),
-    ),
-    "AdamW, fused vs fused": (
-        lambda p: torch.optim.AdamW(p, fused=True),
-        lambda p: mixedopt.AdamW(p, fused=True),
-    ),
-}
+# The small regime's AdamW pairs (torch.optim optimizer, mixedopt optimizer), by name.
+PAIRS = {name: small.PAIRS[name] for name in ("AdamW, default vs foreach", "AdamW, fused vs fused")}
 PARTS = ("fwd+bwd", "step", "iteration")
 
 
