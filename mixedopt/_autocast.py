@@ -18,6 +18,10 @@ the recast checks the weight's version itself and raises.
 
 A ``torch.compile``d model saves the tensors of its compiled graph, which are not casts of a
 leaf to this hook: same gradients, no saving.
+
+Where a mixedopt optimizer's gradient storage manages the leaf, the hook also registers the
+storage's pre-hook on the cast's node (``GradientStorage.cast_hook``): the weight's 16-bit
+gradient goes to the storage as it is, and autograd makes no float32 copy of it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
+
+from ._storage import cast_hook
 
 # The dtypes autocast casts to, and the method that casts to each: it does what ``to(dtype)``
 # does, with less argument parsing (a recast of a small weight is mostly dispatch).
@@ -68,6 +74,9 @@ def _pack(saved: Tensor) -> Any:
             and saved.dtype in _CASTS
             and leaf.is_floating_point()
         ):
+            hook = cast_hook(leaf, base.dtype)
+            if hook is not None:
+                node.register_prehook(hook)  # a second one on the same cast is handed nothing
             return _Recast(leaf, saved)
     return saved
 
@@ -84,7 +93,9 @@ def autocast(
 
     Use it for the forward, as ``torch.autocast``. Gradients are the same as under
     ``torch.autocast``. Backward casts each weight again when it needs it; a weight changed in
-    place since the forward raises a ``RuntimeError``.
+    place since the forward raises a ``RuntimeError``. A large weight of a mixedopt optimizer
+    gets the 16-bit gradient of its low-precision operation as its ``.grad``, with no float32
+    copy in between (docs/step-in-backward.md).
 
     Args:
         device_type: ``"cuda"``, ``"cpu"`` or another device type, as for ``torch.autocast``.

@@ -154,13 +154,21 @@ class StorageScales:
         incoming: Tensor,
         previous: Tensor | None,
         scratch: Callable[[int], Tensor],
+        taken: bool = False,
     ) -> None:
         """Store one gradient (added to ``previous``) with its own operations.
 
         ``scratch(elements)`` gives a float32 buffer on the gradient's device (a staging buffer
         the bucket store lends this store). Runs under ``torch.no_grad()`` (the storage's
         ``_store_alone``).
+
+        A 16-bit gradient of ``grad_dtype`` with nothing to add to (one a weight's cast hands
+        over, under ``mixedopt.autocast``) is stored as it is, with scale 1 (``_store_as_is``);
+        ``taken``: nothing else holds it, so that it may become ``.grad`` itself.
         """
+        if previous is None and incoming.dtype == self.grad_dtype:
+            self._store_as_is(slot, incoming, taken)
+            return
         true = incoming.float()
         if previous is not None:
             (inverse,) = self.inverse([slot], [previous])
@@ -186,6 +194,35 @@ class StorageScales:
                 stats[0, 1].zero_()
             self.for_magnitudes(stats[0, 1], out=stats[0, 0])
             torch.mul(true, stats[0, 0], out=stored)
+        slot.record(stored, stats, 0, stored._version)
+
+    def _store_as_is(self, slot: Slot, incoming: Tensor, taken: bool) -> None:
+        """Store a gradient already in ``grad_dtype`` unscaled: its values are the true ones.
+
+        The tensor itself becomes ``.grad`` where it is ``taken`` (nothing else holds it) and
+        has the stored layout, as ``AccumulateGrad`` takes a gradient over; else a copy. Read
+        once, for its largest magnitude, the bound ``step()`` checks for inf and NaN.
+        """
+        param = slot.param
+        strides = slot.grad_strides()
+        stored = incoming
+        if not (
+            incoming.stride() == strides
+            and incoming.storage_offset() == 0
+            and incoming.untyped_storage().nbytes() == incoming.nbytes
+            and taken
+        ):
+            stored = torch.empty_strided(
+                param.shape, strides, dtype=self.grad_dtype, device=param.device
+            ).copy_(incoming)
+        if budget(stored.device).on_host:
+            stats = torch.tensor([[1.0, abs_max_on_host(stored)]], dtype=torch.float32)
+        else:
+            stats = torch.ones((1, 2), dtype=torch.float32, device=stored.device)
+            if stored.numel():
+                torch.linalg.vector_norm(stored, math.inf, dtype=torch.float32, out=stats[0, 1])
+            else:
+                stats[0, 1].zero_()
         slot.record(stored, stats, 0, stored._version)
 
     def stats_table(

@@ -49,6 +49,8 @@ class Slot:
         "shape",
         "strides",
         "consumer",
+        "cast_hook",
+        "staged",
         "bucket",
         "elements",
         "__weakref__",
@@ -83,6 +85,13 @@ class Slot:
         # Called with the parameter as soon as its gradient is stored, in backward (an
         # optimizer's step_in_backward); None: the gradient stays in p.grad.
         self.consumer: Consumer | None = None
+        # The pre-hook that takes the 16-bit gradient a cast of the parameter receives
+        # (``GradientStorage.cast_hook``).
+        self.cast_hook: Callable[..., object] | None = None
+        # The 16-bit gradients its casts handed over in the running backward, to be stored by
+        # its own hook (``GradientStorage._stage``); owned by the backward claiming the slot.
+        # Each with whether nothing else held it (``_takeover.sole_holder``).
+        self.staged: list[tuple[Tensor, bool]] = []
         # The bucket its gradients wait in, for the hook's common case (set by ``_take``), and
         # the elements they take there (whole rows).
         self.bucket: Bucket | None = None

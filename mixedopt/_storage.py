@@ -31,6 +31,7 @@ from ._rows import ROW, StoredRows, rows_for
 from ._scales import StorageScales
 from ._slots import Backward, Bucket, Consumer, Slot
 from ._storage_work import StorageWork, deferring_releases
+from ._takeover import sole_holder
 
 SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -162,6 +163,7 @@ class GradientStorage:
                 slot = Slot(param)
                 param.grad_dtype = None  # accept a .grad whose dtype differs from the parameter's
                 slot.handles.append(slot.accumulator.register_prehook(self._accumulate_hook(slot)))
+                slot.cast_hook = self._cast_hook(slot)
                 self._slots[id(param)] = slot
                 self._unchecked.append(slot)
                 _managed[param] = self
@@ -226,6 +228,7 @@ class GradientStorage:
                 and not slot.pending
                 and bucket.elements + slot.elements <= bucket.capacity
                 and param.grad is None
+                and not slot.staged
             ):
                 bucket.slots.append(slot)
                 bucket.elements += slot.elements
@@ -234,6 +237,87 @@ class GradientStorage:
             return self._take(slot, grad_outputs[0], task, claimed=True)
 
         return hook
+
+    def cast_hook(self, param: Tensor, dtype: torch.dtype) -> Callable[..., object] | None:
+        """A pre-hook for the node of a cast of ``param`` to ``dtype``, or ``None``.
+
+        The hook takes the gradient that reaches the cast, ``grad_dtype`` already, and hands
+        the cast nothing: autograd makes no float32 copy of it (``mixedopt.autocast`` registers
+        it on each weight's cast). The parameter's own hook stores it, once every use of the
+        parameter in the backward has brought its gradient. ``None`` where the storage takes
+        ``param``'s gradients as float32: another dtype, a parameter it does not manage or
+        leaves to a distributed engine, or a gradient small enough to wait in a bucket, whose
+        store reads float32 gradients.
+        """
+        slot = self._slots.get(id(param))
+        if (
+            slot is None
+            or dtype != self.grad_dtype
+            or slot.engine_owned
+            or param.numel() <= budget(param.device).bucket_small
+        ):
+            return None
+        return slot.cast_hook
+
+    def _cast_hook(self, slot: Slot):  # noqa: ANN202 - autograd hook
+        @run_eagerly  # called from a compiled frame (backward() inside torch.compile)
+        def hook(grad_outputs: tuple[Tensor | None, ...]) -> tuple[None] | None:
+            if grad_outputs[0] is None or _traced_by_dynamo():
+                return None  # nothing to take, or compiled autograd's trace (``_accumulate_hook``)
+            sole = sole_holder(grad_outputs)  # before this frame holds the gradient
+            return self._stage(slot, grad_outputs[0], sole, _current_backward())
+
+        return hook
+
+    @deferring_releases
+    def _stage(self, slot: Slot, incoming: Tensor, sole: bool, task: int) -> tuple[None] | None:
+        """Keep a cast's 16-bit gradient in ``slot.staged`` for the parameter's hook to store.
+
+        ``sole``: nothing else holds ``incoming`` (``_takeover.sole_holder``), so that it may
+        become ``.grad`` as it is; else the store copies it.
+
+        Claims the slot for ``task`` until then: the parameter's hook runs once the backward's
+        last gradient for it has come (autograd calls it with ``None`` where every one went
+        through a cast), and adds them up in arrival order, as autograd adds float32 gradients
+        (``_join_staged``). ``(None,)``: taken; ``None``: left to the cast, which hands autograd
+        its float32 copy, as without this hook (a parameter another running backward holds, or
+        one whose gradients autograd keeps).
+        """
+        with self._lock:
+            if self._claims.setdefault(slot, task) != task:
+                return None  # another backward's: this gradient reaches the parameter's hook
+            if self._unchecked and task != self._engines_looked_up_in:
+                self._engines_looked_up_in = task
+                self._leave_to_engines()
+            previous = slot.param.grad
+            if (
+                not slot.installed
+                or slot.engine_owned
+                or (previous is not None and previous.is_sparse)
+                or incoming.dtype != self.grad_dtype
+            ):
+                if not slot.staged:
+                    del self._claims[slot]
+                return None
+            self._backward(task)  # a backward that raises now drops what waits (_adopt_orphans)
+            slot.staged.append((incoming, sole))
+        return (None,)
+
+    @staticmethod
+    def _join_staged(slot: Slot, incoming: Tensor | None) -> tuple[Tensor, bool]:
+        """The staged 16-bit gradients of ``slot`` and ``incoming`` as one gradient.
+
+        ``(gradient, whether the storage may keep it as it is)``: a lone staged gradient
+        itself; several, in float32, added in the order they came, then ``incoming`` (what
+        reached the parameter by other ways), as autograd would add them.
+        """
+        staged, slot.staged = slot.staged, []
+        if incoming is None and len(staged) == 1:
+            return staged[0]
+        total = staged[0][0].float()
+        for grad, _ in staged[1:]:
+            total = total + grad
+        return (total if incoming is None else total + incoming), True
 
     @deferring_releases  # a finalizer may run in the middle of it
     def _take(
@@ -247,6 +331,9 @@ class GradientStorage:
         that one stored its own), and those autograd keeps: a distributed engine's, sparse ones
         (``step()`` refuses them), a parameter let go meanwhile.
         """
+        taken = False  # whether ``incoming`` is the storage's to keep as ``.grad``
+        if claimed and slot.staged:  # what the parameter's casts handed over (``_stage``)
+            incoming, taken = self._join_staged(slot, incoming)
         if incoming is None:  # nothing to store
             if claimed:
                 self._release_claims([slot])
@@ -267,15 +354,20 @@ class GradientStorage:
                 orphans = self._adopt_orphans(owner)
             self._store_and_free(orphans)  # a backward that raised left it waiting: stored first
         try:
-            return self._take_claimed(slot, incoming, task)
+            return self._take_claimed(slot, incoming, task, taken)
         except BaseException:
             with self._lock:  # a claim this backward still holds, its gradient in no bucket
                 if self._claims.get(slot) == task and not slot.pending:
                     del self._claims[slot]
             raise
 
-    def _take_claimed(self, slot: Slot, incoming: Tensor, task: int) -> tuple[None] | None:
-        """``_take`` once the slot is claimed for ``task``: hands the claim on or releases it."""
+    def _take_claimed(
+        self, slot: Slot, incoming: Tensor, task: int, taken: bool
+    ) -> tuple[None] | None:
+        """``_take`` once the slot is claimed for ``task``: hands the claim on or releases it.
+
+        ``taken``: ``incoming`` is the storage's to keep as ``.grad`` (``_store_alone``).
+        """
         param = slot.param
         if slot.pending:  # a second gradient in this backward: its bucket is stored first
             assert slot.bucket is not None
@@ -303,12 +395,13 @@ class GradientStorage:
             device = incoming.device
             numel = incoming.numel()
             limits = budget(device)
-            small = numel <= limits.bucket_small
+            # A bucket's store reads float32 gradients: a cast's 16-bit one is stored alone.
+            small = numel <= limits.bucket_small and incoming.dtype != self.grad_dtype
             bucket = self._bucket_for(task, slot, device, limits) if small else None
         if bucket is None:
             slot.bucket = None
             try:
-                self._store_alone(slot, incoming, previous)
+                self._store_alone(slot, incoming, previous, taken)
             finally:
                 self._release_claims([slot])
             return (None,)
@@ -397,6 +490,7 @@ class GradientStorage:
             # step, ``list``: hooks claim slots without the lock.)
             for slot, owner in list(self._claims.items()):
                 if owner == task and not any(slot in bucket.slots for bucket in orphans):
+                    slot.staged = []  # gradients of the backward that raised: dropped
                     del self._claims[slot]
         # Forget the ended backwards nothing refers to any more.
         holding = {held for held, _ in self._filling} | set(self._claims.values())
@@ -448,10 +542,15 @@ class GradientStorage:
 
     @deferring_releases
     @torch.no_grad()
-    def _store_alone(self, slot: Slot, incoming: Tensor, previous: Tensor | None) -> None:
-        """Store one gradient (added to ``previous``) on its own, and hand it to its consumer."""
+    def _store_alone(
+        self, slot: Slot, incoming: Tensor, previous: Tensor | None, taken: bool = False
+    ) -> None:
+        """Store one gradient (added to ``previous``) on its own, and hand it to its consumer.
+
+        ``taken``: ``incoming`` may become ``.grad`` as it is (nothing else holds it).
+        """
         with self._bucket_store.lend_staging(incoming.device) as staging:
-            self._scales.store_alone(slot, incoming, previous, staging.scratch)
+            self._scales.store_alone(slot, incoming, previous, staging.scratch, taken)
         if slot.consumer is not None:
             slot.consumer([slot.param])
 
@@ -694,3 +793,9 @@ class GradientStorage:
         See ``_bucket_store.BucketStore.whole_buckets``.
         """
         return self._bucket_store.whole_buckets(groups)
+
+
+def cast_hook(param: Tensor, dtype: torch.dtype) -> Callable[..., object] | None:
+    """``GradientStorage.cast_hook`` of the storage managing ``param``; ``None`` if none does."""
+    storage = _managed.get(param)
+    return None if storage is None else storage.cast_hook(param, dtype)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from threaded import (
     CONFIGS,
+    MIXEDOPT_AUTOCAST_CONFIGS,
     WIDTHS,
     Config,
     Training,
@@ -70,7 +71,7 @@ def alone(config: Config, seed: int, in_backward: bool = False) -> list[torch.Te
     return _alone[key]
 
 
-def threads_of_their_own(count: int, trials: int) -> None:
+def threads_of_their_own(count: int, trials: int, configs: list[Config] = BY_DTYPE) -> None:
     """``count`` threads each train their own model with their own optimizer, ``trials`` times.
 
     Trial ``t`` gives its threads the next ``count`` configurations of ``CONFIGS``: every
@@ -78,7 +79,7 @@ def threads_of_their_own(count: int, trials: int) -> None:
     bfloat16, meet each other on threads at once.
     """
     for trial in range(trials):
-        chosen = [BY_DTYPE[(trial * count + i) % len(BY_DTYPE)] for i in range(count)]
+        chosen = [configs[(trial * count + i) % len(configs)] for i in range(count)]
         expected = [alone(config, seed=i) for i, config in enumerate(chosen)]
         trainings = [Training(config, seed=i) for i, config in enumerate(chosen)]
         with interleaved() as caught:
@@ -97,6 +98,16 @@ def test_threads_training_their_own_models_give_the_weights_of_one_thread(count)
 def test_two_threads_training_their_own_models_give_the_weights_of_one_thread():
     # The quick loop's share of the test above.
     threads_of_their_own(2, 2)
+
+
+@pytest.mark.slow
+def test_threads_training_under_mixedopt_autocast_give_the_weights_of_one_thread():
+    threads_of_their_own(4, TRIALS // 5, MIXEDOPT_AUTOCAST_CONFIGS)
+
+
+def test_two_threads_training_under_mixedopt_autocast_give_the_weights_of_one_thread():
+    # The quick loop's share of the test above.
+    threads_of_their_own(2, 2, MIXEDOPT_AUTOCAST_CONFIGS)
 
 
 class SplitModel:
@@ -169,6 +180,11 @@ def test_accumulation_over_parts_whose_backwards_run_at_once_gives_the_weights_o
     split_model(CONFIGS, parts=3, micro_batches=3, trials=TRIALS)
 
 
+@pytest.mark.slow
+def test_parts_under_mixedopt_autocast_whose_backwards_run_at_once_give_one_threads_weights():
+    split_model(MIXEDOPT_AUTOCAST_CONFIGS, parts=3, micro_batches=3, trials=TRIALS // 5)
+
+
 def test_two_parts_whose_backwards_run_at_once_give_the_weights_of_one_thread():
     # The quick loop's share of the two tests above.
     split_model([Config("AdamW")], parts=2, micro_batches=2, trials=2)
@@ -237,14 +253,14 @@ def backward(training: Training, x: torch.Tensor) -> None:
     training.loss(x).backward()
 
 
-def overlapping_micro_batches(trials: int) -> None:
+def overlapping_micro_batches(trials: int, forward: str = "torch.autocast") -> None:
     """Two backwards of one model, on two threads at once: every gradient is added once.
 
     A 16-bit gradient is rounded once per backward, so the sum depends on which backward
     stores first: each parameter's gradient is bitwise the one of the two backwards run one
     after the other, in one order or the other.
     """
-    config = Config("AdamW")
+    config = Config("AdamW", forward=forward)
     inputs = Training(config, seed=0).inputs[:2]
 
     def gradients(order):
@@ -275,6 +291,10 @@ def test_overlapping_backwards_of_one_model_add_every_gradient_once():
 def test_two_overlapping_backwards_of_one_model_add_every_gradient_once():
     # The quick loop's share of the test above.
     overlapping_micro_batches(3)
+
+
+def test_two_overlapping_backwards_under_mixedopt_autocast_add_every_gradient_once():
+    overlapping_micro_batches(TRIALS // 5, forward="mixedopt.autocast")
 
 
 class Waiting(torch.autograd.Function):

@@ -43,11 +43,14 @@ class Config:
     fused: bool = False
     scaling: str = "none"  # "none", "grad_scaler" or "max_grad_norm"
     dtype: torch.dtype = torch.float16  # autocast's, and the gradients'
+    # The forward's region: "torch.autocast", or "mixedopt.autocast", whose casts hand the
+    # storage their 16-bit gradients (the 192 x 192 weight's, stored alone).
+    forward: str = "torch.autocast"
 
     def __str__(self) -> str:
         fused = ", fused" if self.fused else ""
         dtype = str(self.dtype).removeprefix("torch.")
-        return f"{self.optimizer}{fused}, {self.scaling}, {dtype}"
+        return f"{self.optimizer}{fused}, {self.scaling}, {dtype}, {self.forward}"
 
 
 CONFIGS = [
@@ -56,6 +59,12 @@ CONFIGS = [
     for fused in (False, True)
     for scaling in ("none", "grad_scaler", "max_grad_norm")
     for dtype in (torch.float16, torch.bfloat16)
+]
+# The default step's configurations with the forward under mixedopt.autocast.
+MIXEDOPT_AUTOCAST_CONFIGS = [
+    dataclasses.replace(config, forward="mixedopt.autocast")
+    for config in CONFIGS
+    if not config.fused
 ]
 
 
@@ -100,7 +109,8 @@ class Training:
         self.inputs = [torch.randn(BATCH, WIDTHS[0], generator=generator) for _ in range(STEPS)]
 
     def loss(self, x: torch.Tensor, module: nn.Module | None = None) -> torch.Tensor:
-        with torch.autocast("cpu", dtype=self.config.dtype):
+        region = mixedopt.autocast if self.config.forward == "mixedopt.autocast" else torch.autocast
+        with region("cpu", dtype=self.config.dtype):
             loss = (module or self.model)(x).float().square().mean()
         return loss if self.scaler is None else self.scaler.scale(loss)
 

@@ -1,0 +1,101 @@
+"""Whether a gradient autograd hands a hook is held by nothing else, so it may become ``.grad``.
+
+torch's ``AccumulateGrad`` makes an incoming gradient ``.grad`` without copying it when nothing
+else holds it, judged by its C++ reference count. A Python pre-hook sees that count too
+(``Tensor._use_count()``, and its storage's and its base's), plus the Python references to the
+tensor object, which C++ counts as one: a gradient a hook elsewhere kept, or another node's
+pre-hook, shows only there (``sys.getrefcount``). How many references the hook's own call adds
+depends on torch's and Python's internals, so they are measured once, at import, on a small
+backward (``_measure``), not assumed: where a gradient held elsewhere cannot be told from one
+held by nothing else, ``sole_holder`` is always ``False`` and every gradient is copied.
+
+Taking a gradient held elsewhere would be a silent error: a later in-place change of ``.grad``
+(``clip_grad_norm_``, ``zero_grad(set_to_none=False)``) would change the other holder's tensor.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+Counts = tuple[int, int, int, int]
+
+
+def _counts(grad_outputs: tuple[Tensor | None, ...]) -> Counts:
+    """The references to a pre-hook's gradient, its storage, its base (0: none) and its object.
+
+    Called with the hook's own argument, before the hook holds the gradient in a variable.
+    """
+    grad = grad_outputs[0]
+    assert grad is not None
+    base = grad._base
+    use_count = Tensor._use_count  # type: ignore[attr-defined]  # not in torch's stubs
+    return (
+        use_count(grad),
+        torch._C._storage_Use_Count(grad.untyped_storage()._cdata),
+        0 if base is None else use_count(base),
+        sys.getrefcount(grad),
+    )
+
+
+def _measure() -> frozenset[Counts]:
+    """The counts a cast's pre-hook sees for a gradient nothing else holds (empty: unknown).
+
+    Two forms: a tensor of its own, and a view of one (a weight used transposed gets the
+    transpose of its product's gradient). Empty where a gradient held elsewhere shows the
+    counts of one held by nothing else, or where a count cannot be read.
+    """
+    seen: dict[str, list[Counts]] = {"alone": [], "shared": [], "kept": []}
+
+    def seeing(name: str):  # noqa: ANN202 - autograd hook
+        def hook(grad_outputs: tuple[Tensor | None, ...]) -> None:
+            seen[name].append(_counts(grad_outputs))
+
+        return hook
+
+    def cast(weight: Tensor, name: str) -> Tensor:
+        made = weight.half()
+        assert made.grad_fn is not None
+        made.grad_fn.register_prehook(seeing(name))
+        return made
+
+    try:
+        with torch.enable_grad(), torch.autocast("cpu", enabled=False):
+            weight = torch.ones(2, 2, requires_grad=True)
+            right = torch.ones(2, 2, dtype=torch.float16)
+            # Held by nothing else: a matrix product's gradient reaches the cast alone, as a
+            # tensor of its own and as a transposed view of one.
+            own, transposed = cast(weight, "alone"), cast(weight, "alone")
+            (own @ right + right @ transposed.t()).float().sum().backward()
+            # Held by another node: an addition hands one tensor to both of its inputs; the
+            # first of the two casts to run sees it held by the other's input too.
+            ((cast(weight, "shared") + cast(weight, "shared")) @ right).float().sum().backward()
+            # Held by a hook that kept it: a tensor hook runs before the node's pre-hooks.
+            kept: list[Tensor] = []
+            stashed = cast(weight, "kept")
+            stashed.register_hook(kept.append)
+            (stashed @ right).float().sum().backward()
+    except (AttributeError, RuntimeError):  # a count this torch does not give
+        return frozenset()
+    alone, shared, kept_counts = seen["alone"], seen["shared"], seen["kept"]
+    if (len(alone), len(shared), len(kept_counts)) != (2, 2, 1):
+        return frozenset()
+    if shared[0] in alone or kept_counts[0] in alone:
+        return frozenset()
+    return frozenset(alone)
+
+
+# Measured at import, in no dispatch mode, autocast region or backward of the caller's.
+_ALONE = _measure()
+
+
+def sole_holder(grad_outputs: tuple[Tensor | None, ...]) -> bool:
+    """Whether ``grad_outputs[0]``, handed to a node pre-hook by autograd, is held by nothing else.
+
+    Call it with the hook's argument before the hook holds the gradient in a variable (a
+    reference more). ``True``: only autograd's call holds it and no other tensor shares its
+    memory: it may become a parameter's ``.grad`` as it is, as ``AccumulateGrad`` would make it.
+    """
+    return _counts(grad_outputs) in _ALONE
