@@ -21,20 +21,27 @@ import torch
 from torch import Tensor
 
 Counts = tuple[int, int, int, int]
+# Counts that no gradient held by nothing else shows.
+UNKNOWN: Counts = (-1, -1, -1, -1)
 
 
 def _counts(grad_outputs: tuple[Tensor | None, ...]) -> Counts:
     """The references to a pre-hook's gradient, its storage, its base (0: none) and its object.
 
     Called with the hook's own argument, before the hook holds the gradient in a variable.
+    ``UNKNOWN`` for a tensor without a storage of its own to count (sparse, or a subclass's).
     """
     grad = grad_outputs[0]
     assert grad is not None
+    try:
+        storage = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
+    except (NotImplementedError, RuntimeError):
+        return UNKNOWN
     base = grad._base
     use_count = Tensor._use_count  # type: ignore[attr-defined]  # not in torch's stubs
     return (
         use_count(grad),
-        torch._C._storage_Use_Count(grad.untyped_storage()._cdata),
+        storage,
         0 if base is None else use_count(base),
         sys.getrefcount(grad),
     )

@@ -288,3 +288,8 @@ def test_a_gradient_nothing_else_holds_becomes_the_grad_without_a_copy():
     )
     (cast @ torch.ones(256, 3, dtype=torch.float16)).float().sum().backward()
     assert a.grad.untyped_storage().data_ptr() == handed[0]
+
+
+def test_a_sparse_gradient_is_never_held_by_nothing_else():
+    """It has no storage of its own to count: the store copies it (were it ever handed over)."""
+    assert not _takeover.sole_holder((torch.zeros(4, 4).to_sparse(),))
