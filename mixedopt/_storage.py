@@ -39,6 +39,8 @@ SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 _traced_by_dynamo = torch.compiler.is_dynamo_compiling
 # The id of the backward (autograd graph task) running on this thread; -1 outside one.
 _current_backward = torch._C._current_graph_task_id
+
+
 # Who holds a slot's gradient (``GradientStorage._claims``): a backward's graph task id (0 and
 # up), or a release in progress.
 _RELEASING = -2
@@ -47,6 +49,19 @@ _RELEASING = -2
 _managed: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # The storage of each grad_dtype, shared by every optimizer of the process (``shared``).
 _shared: dict[torch.dtype, GradientStorage] = {}
+
+
+def _accumulates(slot: Slot) -> bool:
+    """Whether the running backward accumulates ``slot``'s gradient into ``.grad``.
+
+    Not under ``torch.autograd.grad``, which returns the gradient (torch refuses to answer there
+    for an ``AccumulateGrad`` node, and raises), nor under ``backward(inputs=...)`` without
+    the parameter.
+    """
+    try:
+        return torch._C._will_engine_execute_node(slot.accumulator)
+    except RuntimeError:
+        return False
 
 
 class GradientStorage:
@@ -283,6 +298,8 @@ class GradientStorage:
         its float32 copy, as without this hook (a parameter another running backward holds, or
         one whose gradients autograd keeps).
         """
+        if not _accumulates(slot):
+            return None  # handed back by autograd, not accumulated: the cast makes it
         with self._lock:
             if self._claims.setdefault(slot, task) != task:
                 return None  # another backward's: this gradient reaches the parameter's hook
@@ -515,15 +532,24 @@ class GradientStorage:
 
     @deferring_releases
     def _finish(self, task: int) -> None:
-        """The end of backward ``task``: store what waits in its buckets, and free them."""
+        """The end of backward ``task``: store what waits in its buckets, and free them.
+
+        Also what casts handed over for a parameter whose own hook never ran (``_stage`` keeps
+        none where autograd does not accumulate; this is the net under it): stored, not lost,
+        and no claim outlives its backward.
+        """
         with self._lock:
             buckets = [b for key, b in self._filling.items() if key[0] == task]
             for bucket in buckets:
                 del self._filling[(task, bucket.device)]
-            self._backwards.pop(task, None)
+            staged = [s for s, owner in list(self._claims.items()) if owner == task and s.staged]
         try:
+            for slot in staged:
+                self._take(slot, None, task, claimed=True)
             self._store_and_free(buckets)
         finally:
+            with self._lock:
+                self._backwards.pop(task, None)
             self._bucket_store.release_staging()  # no staging buffer stays between backwards
 
     @deferring_releases  # a finalizer may run in the middle of it

@@ -293,3 +293,49 @@ def test_a_gradient_nothing_else_holds_becomes_the_grad_without_a_copy():
 def test_a_sparse_gradient_is_never_held_by_nothing_else():
     """It has no storage of its own to count: the store copies it (were it ever handed over)."""
     assert not _takeover.sole_holder((torch.zeros(4, 4).to_sparse(),))
+
+
+def test_torch_autograd_grad_returns_the_gradients_of_torch_autocast():
+    """autograd.grad hands the gradients back, accumulating none: the casts keep theirs."""
+    net, twin = model(tied=False), model(tied=False)
+    optimizer = mixedopt.AdamW(net.parameters())
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(net, tokens(0))
+    found = torch.autograd.grad(loss, list(net.parameters()))
+    with torch.autocast("cpu", dtype=torch.float16):
+        expected = torch.autograd.grad(loss_of(twin, tokens(0)), list(twin.parameters()))
+    for got, want in zip(found, expected, strict=True):
+        assert torch.equal(got, want)
+    assert all(p.grad is None for p in net.parameters())
+    optimizer.remove_grad_storage()  # lets go at once: no gradient left claimed
+
+
+def test_backward_with_inputs_stores_only_their_gradients():
+    net, twin = model(tied=False), model(tied=False)
+    optimizer = mixedopt.AdamW(net.parameters())
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(net, tokens(0))
+    loss.backward(inputs=[weights(net)[1]])
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss_of(twin, tokens(0)).backward(inputs=[weights(twin)[1]])
+    assert [p.grad is None for p in net.parameters()] == [p.grad is None for p in twin.parameters()]
+    assert torch.equal(optimizer.true_grad(weights(net)[1]), weights(twin)[1].grad)
+
+
+def test_gradients_a_cast_handed_over_are_stored_at_the_end_of_backward_at_the_latest(
+    monkeypatch,
+):
+    """Were a parameter's own hook not to run after its cast's (autograd.grad taken for a
+    backward that accumulates), its gradient is stored when the backward ends, not lost."""
+    monkeypatch.setattr(_storage, "_accumulates", lambda slot: True)
+    net, twin = model(tied=False), model(tied=False)
+    optimizer = mixedopt.AdamW(net.parameters())
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(net, tokens(0))
+    torch.autograd.grad(loss, list(net.parameters()), allow_unused=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss_of(twin, tokens(0)).backward()
+    for p, q in zip(weights(net), weights(twin), strict=True):
+        assert torch.equal(optimizer.true_grad(p), q.grad)
+    optimizer.remove_grad_storage()  # lets go at once: no gradient left claimed
+    assert all(p.grad is None or p.grad.dtype == torch.float32 for p in net.parameters())
