@@ -211,6 +211,7 @@ class StorageScales:
             and incoming.storage_offset() == 0
             and incoming.untyped_storage().nbytes() == incoming.nbytes
             and taken
+            and not incoming.requires_grad  # ``backward(create_graph=True)``: stored detached
         ):
             stored = torch.empty_strided(
                 param.shape, strides, dtype=self.grad_dtype, device=param.device

@@ -298,8 +298,11 @@ class GradientStorage:
         its float32 copy, as without this hook (a parameter another running backward holds, or
         one whose gradients autograd keeps).
         """
-        if not _accumulates(slot):
-            return None  # handed back by autograd, not accumulated: the cast makes it
+        if not _accumulates(slot) or slot.param._backward_hooks:
+            # Handed back by autograd, not accumulated, or seen first by the parameter's own
+            # hooks (``p.register_hook``), which expect torch.autocast's float32 gradient: the
+            # cast makes it.
+            return None
         with self._lock:
             if self._claims.setdefault(slot, task) != task:
                 return None  # another backward's: this gradient reaches the parameter's hook

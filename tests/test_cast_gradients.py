@@ -339,3 +339,28 @@ def test_gradients_a_cast_handed_over_are_stored_at_the_end_of_backward_at_the_l
         assert torch.equal(optimizer.true_grad(p), q.grad)
     optimizer.remove_grad_storage()  # lets go at once: no gradient left claimed
     assert all(p.grad is None or p.grad.dtype == torch.float32 for p in net.parameters())
+
+
+def test_a_parameters_own_hook_sees_the_float32_gradient_of_torch_autocast():
+    net, twin = model(tied=False), model(tied=False)
+    optimizer = mixedopt.AdamW(net.parameters())
+    seen = []
+    for p in (weights(net)[1], weights(twin)[1]):
+        p.register_hook(lambda g: seen.append(g.clone()) or g * 0.5)
+    backward_both(net, twin, torch.float16)
+    ours, theirs = seen
+    assert ours.dtype == torch.float32
+    assert torch.equal(ours, theirs)
+    assert torch.equal(optimizer.true_grad(weights(net)[1]), weights(twin)[1].grad)
+
+
+def test_backward_creating_a_graph_stores_gradients_without_one():
+    """As the float32 store does: ``.grad`` is the 16-bit value, outside any graph."""
+    net = model(tied=False)
+    optimizer = mixedopt.AdamW(net.parameters())
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(net, tokens(0))
+    with pytest.warns(UserWarning, match="reference cycle"):  # torch's, for create_graph
+        loss.backward(create_graph=True)
+    assert not any(p.grad.requires_grad for p in net.parameters())
+    assert optimizer.param_groups
