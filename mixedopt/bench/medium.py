@@ -11,9 +11,10 @@ A training iteration (forward under ``autocast(float16)`` and backward, ``step()
 of the whole iteration counted (a page fault maps 4 KiB of memory the C library had handed back
 to the system, and a few hundred of them are a large part of this iteration on a CPU). Each pair
 compares mixedopt with torch.optim: the default step against ``foreach=True``, ``fused=True``
-against torch's fused step. The four optimizers' iterations take turns (``small.in_turn``), so
-that the machine's drift reaches them alike. Ratios are mixedopt's over torch.optim's: lower is
-faster.
+against torch's fused step; a third pair runs mixedopt's forward under ``mixedopt.autocast``
+(whose large weights get their float16 gradients as the matrix products make them). The
+optimizers' iterations take turns (``small.in_turn``), so that the machine's drift reaches
+them alike. Ratios are mixedopt's over torch.optim's: lower is faster.
 
 ``python -m mixedopt.bench`` prints it (``--no-medium`` leaves it out).
 """
@@ -29,13 +30,22 @@ from typing import Any
 import torch
 from torch import nn
 
+import mixedopt
+
 from . import small
 from .small import in_turn
 
 WIDTHS = (256, 512, 512, 512, 10)
 BATCH = 128
-# The small regime's AdamW pairs (torch.optim optimizer, mixedopt optimizer), by name.
+# The small regime's AdamW pairs (torch.optim optimizer, mixedopt optimizer), by name; the last
+# runs mixedopt's forward under ``mixedopt.autocast`` (``FORWARD``).
 PAIRS = {name: small.PAIRS[name] for name in ("AdamW, default vs foreach", "AdamW, fused vs fused")}
+PAIRS["AdamW, default vs foreach, mixedopt.autocast"] = PAIRS["AdamW, default vs foreach"]
+# The forward's region of mixedopt's optimizer where it is not ``torch.autocast``
+# (torch.optim's forward always runs under ``torch.autocast``).
+FORWARD: dict[str, Callable[..., Any]] = {
+    "AdamW, default vs foreach, mixedopt.autocast": mixedopt.autocast
+}
 PARTS = ("fwd+bwd", "step", "iteration")
 
 
@@ -61,9 +71,15 @@ class _Run:
     """One optimizer on its own copy of the model: its timed iterations."""
 
     def __init__(
-        self, make: Callable[[Any], Any], x: torch.Tensor, y: torch.Tensor, device: str
+        self,
+        make: Callable[[Any], Any],
+        x: torch.Tensor,
+        y: torch.Tensor,
+        device: str,
+        region: Callable[..., Any] = torch.autocast,
     ) -> None:
         self.model = model(device=device)
+        self.region = region
         self.opt = make(self.model.parameters())
         self.x, self.y = x, y
         self.sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
@@ -74,7 +90,7 @@ class _Run:
         before = _minor_faults()
         self.sync()
         start = time.perf_counter()
-        with torch.autocast(self.x.device.type, dtype=torch.float16):
+        with self.region(self.x.device.type, dtype=torch.float16):
             loss = nn.functional.cross_entropy(self.model(self.x), self.y)
         loss.backward()
         self.sync()
@@ -125,7 +141,8 @@ def iteration_times(
     try:
         for pair in pairs:
             for library, make in zip(("torch", "mixedopt"), PAIRS[pair], strict=True):
-                run = runs[(pair, library)] = _Run(make, x, y, device)
+                region = FORWARD.get(pair, torch.autocast) if library == "mixedopt" else None
+                run = runs[(pair, library)] = _Run(make, x, y, device, region or torch.autocast)
                 for _ in range(warmup + 2):
                     run.iteration()
                 run.clear()
