@@ -295,6 +295,37 @@ def test_ddp_matches_torch_optim():
     run_ranks(_ddp_parity)
 
 
+def _ddp_under_mixedopt_autocast(rank: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def wide() -> nn.Module:  # a weight of 65,536 elements: its cast would hand over its gradient
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 256), nn.Tanh(), nn.Linear(256, 256), nn.Linear(256, 1))
+
+    ddp, reference = DDP(wide()), DDP(wide())
+    opt = mixedopt.Adam(ddp.parameters(), lr=1e-2)
+    ref = torch.optim.Adam(reference.parameters(), lr=1e-2)
+    batches = _batches(rank, 3)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="mixedopt: .* DistributedDataParallel")
+        for step in range(3):
+            for m, o, region in ((ddp, opt, mixedopt.autocast), (reference, ref, torch.autocast)):
+                o.zero_grad()
+                with region("cpu", dtype=torch.float16):
+                    loss = _loss(m, batches[step])
+                loss.backward()
+            for p in ddp.parameters():  # reduced by DDP, which needs them float32
+                assert p.grad.dtype == torch.float32, f"step {step}"
+            opt.step()
+            ref.step()
+            _assert_same_weights(ddp, reference, f"DDP under mixedopt.autocast step {step}")
+
+
+def test_ddp_under_mixedopt_autocast_matches_torch_optim_under_torch_autocast():
+    """DDP reduces float32 gradients: the casts leave them to autograd."""
+    run_ranks(_ddp_under_mixedopt_autocast)
+
+
 # ---------------------------------------------------------------------------- ZeRO
 
 
