@@ -103,7 +103,10 @@ class GradientStorage:
         self._engines_looked_up_in = -2  # the backward (graph task) that last looked them up
         # Slot -> the backward (graph task id) whose gradient it holds, from the hook that takes
         # it until it is stored (``_RELEASING`` while a release lets go of it). Claimed without
-        # the lock by the hook's common case (``dict.setdefault`` is one atomic step).
+        # the lock by the hook's common case (``dict.setdefault`` is one atomic step), so other
+        # threads read it through ``copy()``, which runs no Python code: ``list(d.items())``
+        # makes a tuple per item, which can start the garbage collector, whose finalizers let
+        # another thread's hook change the dict in the middle ("dictionary changed size").
         self._claims: dict[Slot, int] = {}
         # Gradients that arrived from another backward while a slot was claimed: added by the
         # claim's holder once it has stored its own (``_release_claims``).
@@ -134,11 +137,10 @@ class GradientStorage:
             return 0
         current = _current_backward()
         with self._lock:
-            # A copy in one step: hooks claim slots without the lock.
-            claims = list(self._claims.items())
+            claims = self._claims.copy()  # hooks claim slots without the lock (``_claims``)
             return sum(
                 1
-                for slot, owner in claims
+                for slot, owner in claims.items()
                 if owner != current and id(slot.param) in held and self._running(owner)
             )
 
@@ -506,9 +508,9 @@ class GradientStorage:
                 orphans.append(bucket)
         if task is not None:
             # A claim whose gradient is in none of its buckets (a hook interrupted between
-            # its claim and its bucket) ends with its backward. (The claims are copied in one
-            # step, ``list``: hooks claim slots without the lock.)
-            for slot, owner in list(self._claims.items()):
+            # its claim and its bucket) ends with its backward. (The claims are copied first:
+            # hooks claim slots without the lock, ``_claims``.)
+            for slot, owner in self._claims.copy().items():
                 if owner == task and not any(slot in bucket.slots for bucket in orphans):
                     slot.staged = []  # gradients of the backward that raised: dropped
                     del self._claims[slot]
@@ -545,7 +547,8 @@ class GradientStorage:
             buckets = [b for key, b in self._filling.items() if key[0] == task]
             for bucket in buckets:
                 del self._filling[(task, bucket.device)]
-            staged = [s for s, owner in list(self._claims.items()) if owner == task and s.staged]
+            claims = self._claims.copy()  # hooks claim slots without the lock (``_claims``)
+            staged = [slot for slot, owner in claims.items() if owner == task and slot.staged]
         try:
             for slot in staged:
                 self._take(slot, None, task, claimed=True)

@@ -335,3 +335,32 @@ def test_step_while_a_backward_of_its_parameters_runs_on_another_thread_is_refus
         thread.join(timeout=60)
     opt.step()  # once it has ended
     assert torch.equal(first, torch.full((4,), 0.9)) and torch.equal(second, torch.full((4,), 0.8))
+
+
+def test_reading_the_claims_survives_a_hook_claiming_in_the_middle():
+    """Another thread's hook can claim a slot whenever the garbage collector runs Python code
+    (its finalizers let other threads run): reading the claims must not fail then."""
+    params = [torch.nn.Parameter(torch.randn(4)) for _ in range(64)]
+    optimizer = mixedopt.SGD(params, lr=0.1)
+    storage = optimizer._grad_storage
+    slots = [storage._slots[id(p)] for p in params]
+    for slot in slots[:32]:
+        storage._claims[slot] = 10**9  # claims of a backward that is not this thread's
+    spare = iter(slots[32:])
+
+    def claim(phase, info):  # a hook claiming a slot while the collector runs
+        if phase == "start":
+            slot = next(spare, None)
+            if slot is not None:
+                storage._claims.setdefault(slot, 10**9 + 1)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(claim)
+    gc.set_threshold(1)
+    try:
+        for _ in range(32):
+            storage.held_by_other_backwards({id(p) for p in params})
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(claim)
+        storage._claims.clear()
