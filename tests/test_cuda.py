@@ -117,3 +117,32 @@ def test_step_in_backward_on_cuda_matches_backward_then_step(name, fused):
     for p, q in zip(model.parameters(), twin_model.parameters(), strict=True):
         assert p.grad is None
         assert_close_to_float32_noise(p, q)
+
+
+def test_mixedopt_autocast_hands_a_large_weight_its_float16_gradient_on_cuda():
+    """A weight stored alone on a GPU (more than 1Mi elements) gets its product's float16
+    gradient as its .grad: torch.autocast's values, and no host synchronisation."""
+    import mixedopt
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 1280), nn.GELU(), nn.Linear(1280, 1024)).cuda()
+
+    net, twin = model(), model()
+    opt = mixedopt.AdamW(net.parameters())
+    x = torch.randn(32, 64, device="cuda")
+    with mixedopt.autocast("cuda", dtype=torch.float16):
+        loss = net(x).float().square().mean()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    with torch.autocast("cuda", dtype=torch.float16):
+        twin(x).float().square().mean().backward()
+    large = net[2].weight  # 1,310,720 elements; its cast is saved (its input needs a gradient)
+    assert large.grad.dtype == torch.float16
+    assert torch.equal(large.grad.float(), twin[2].weight.grad)
+    assert torch.equal(opt.true_grad(large), twin[2].weight.grad)
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):  # the others, bucketed
+        assert_within_documented_rounding(opt.true_grad(p), q.grad)
