@@ -364,3 +364,35 @@ def test_backward_creating_a_graph_stores_gradients_without_one():
         loss.backward(create_graph=True)
     assert not any(p.grad.requires_grad for p in net.parameters())
     assert optimizer.param_groups
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_gives_the_gradients_of_torch_autocast(reentrant):
+    """``torch.utils.checkpoint`` runs the forward again in backward, casts included."""
+    net, twin = model(tied=False), model(tied=False)
+    optimizer, float32_store = mixedopt.AdamW(net.parameters()), mixedopt.AdamW(twin.parameters())
+    x = net["embedding"](tokens(0)).detach().requires_grad_()
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        hidden = torch.utils.checkpoint.checkpoint(net["mlp"], x, use_reentrant=reentrant)
+        loss = net["head"](hidden).float().square().mean()
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.float16):
+        twin["head"](twin["mlp"](x)).float().square().mean().backward()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        if q.grad is not None:
+            assert torch.equal(optimizer.true_grad(p), float32_store.true_grad(q))
+
+
+def test_two_backwards_through_one_graph_add_up_as_the_float32_store_does():
+    net, twin = model(tied=False), model(tied=False)
+    optimizer, float32_store = mixedopt.AdamW(net.parameters()), mixedopt.AdamW(twin.parameters())
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        loss = loss_of(net, tokens(0))
+    loss.backward(retain_graph=True)
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.float16):
+        reference = loss_of(twin, tokens(0))
+    reference.backward(retain_graph=True)
+    reference.backward()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(optimizer.true_grad(p), float32_store.true_grad(q))
