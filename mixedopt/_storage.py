@@ -39,8 +39,6 @@ SUPPORTED_GRAD_DTYPES = (torch.float16, torch.bfloat16)
 _traced_by_dynamo = torch.compiler.is_dynamo_compiling
 # The id of the backward (autograd graph task) running on this thread; -1 outside one.
 _current_backward = torch._C._current_graph_task_id
-
-
 # Who holds a slot's gradient (``GradientStorage._claims``): a backward's graph task id (0 and
 # up), or a release in progress.
 _RELEASING = -2
@@ -554,6 +552,7 @@ class GradientStorage:
                 self._take(slot, None, task, claimed=True)
             self._store_and_free(buckets)
         finally:
+            # Forgotten last: a store above finds the backward it belongs to, not a new one.
             with self._lock:
                 self._backwards.pop(task, None)
             self._bucket_store.release_staging()  # no staging buffer stays between backwards

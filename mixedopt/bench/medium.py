@@ -141,8 +141,10 @@ def iteration_times(
     try:
         for pair in pairs:
             for library, make in zip(("torch", "mixedopt"), PAIRS[pair], strict=True):
-                region = FORWARD.get(pair, torch.autocast) if library == "mixedopt" else None
-                run = runs[(pair, library)] = _Run(make, x, y, device, region or torch.autocast)
+                region = (
+                    FORWARD.get(pair, torch.autocast) if library == "mixedopt" else torch.autocast
+                )
+                run = runs[(pair, library)] = _Run(make, x, y, device, region)
                 for _ in range(warmup + 2):
                     run.iteration()
                 run.clear()
