@@ -306,16 +306,7 @@ class GradientStorage:
         with self._lock:
             if self._claims.setdefault(slot, task) != task:
                 return None  # another backward's: this gradient reaches the parameter's hook
-            if self._unchecked and task != self._engines_looked_up_in:
-                self._engines_looked_up_in = task
-                self._leave_to_engines()
-            previous = slot.param.grad
-            if (
-                not slot.installed
-                or slot.engine_owned
-                or (previous is not None and previous.is_sparse)
-                or incoming.dtype != self.grad_dtype
-            ):
+            if self._kept_by_autograd(slot, incoming, task) or incoming.dtype != self.grad_dtype:
                 if not slot.staged:
                     del self._claims[slot]
                 return None
@@ -398,17 +389,7 @@ class GradientStorage:
                 return self._take(slot, incoming, task, claimed=False)
         previous = param.grad
         with self._lock:
-            if self._unchecked:  # looked for once per backward (a process group comes before it)
-                if task != self._engines_looked_up_in:
-                    self._engines_looked_up_in = task
-                    self._leave_to_engines()
-            kept_by_autograd = (
-                not slot.installed
-                or slot.engine_owned
-                or incoming.is_sparse
-                or (previous is not None and previous.is_sparse)
-            )
-            if kept_by_autograd:
+            if self._kept_by_autograd(slot, incoming, task):
                 self._claims.pop(slot, None)
                 return None  # autograd stores it
             self._backward(task)
@@ -438,6 +419,23 @@ class GradientStorage:
             return None  # autograd stores it in p.grad, as in the hook's common case
         param.grad = incoming  # true values until stored, as torch.optim would have them
         return (None,)  # taken: autograd stores nothing
+
+    def _kept_by_autograd(self, slot: Slot, incoming: Tensor, task: int) -> bool:
+        """Whether autograd keeps ``incoming`` (the storage stores nothing of it).
+
+        A parameter let go, one a distributed engine reduces (looked for once per backward: a
+        process group comes before it), a sparse gradient. Called with the lock held.
+        """
+        if self._unchecked and task != self._engines_looked_up_in:
+            self._engines_looked_up_in = task
+            self._leave_to_engines()
+        previous = slot.param.grad
+        return (
+            not slot.installed
+            or slot.engine_owned
+            or incoming.is_sparse
+            or (previous is not None and previous.is_sparse)
+        )
 
     def _bucket_for(self, task: int, slot: Slot, device: torch.device, limits: Budget) -> Bucket:
         """The bucket ``task`` fills on ``slot``'s device, armed at its first gradient there.
