@@ -153,37 +153,45 @@ def batches(
         yield batch
 
 
-def _upcast(workspace: Workspace, batch: Batch, factors: Tensor) -> list[Tensor]:
+def _upcast(workspace: Workspace, batch: Batch, factors: Tensor | None) -> list[Tensor]:
     """Float32 ``grad * factor`` for each gradient of ``batch``.
 
     ``factors`` holds one per entry of the step: the batch's are from ``batch.first`` on.
+    ``None``: each is exactly 1, and the upcast is all.
     """
     if len(batch.params) == 1:  # a piece of a large parameter, mostly
-        return [_upcast_one(workspace, batch.params[0], batch.grads[0], factors[batch.first])]
-    return _upcast_rows(workspace, batch, factors[batch.first : batch.first + len(batch.params)])
+        factor = None if factors is None else factors[batch.first]
+        return [_upcast_one(workspace, batch.params[0], batch.grads[0], factor)]
+    if factors is not None:
+        factors = factors[batch.first : batch.first + len(batch.params)]
+    return _upcast_rows(workspace, batch, factors)
 
 
-def _upcast_rows(workspace: Workspace, batch: Batch, factors: Tensor) -> list[Tensor]:
+def _upcast_rows(workspace: Workspace, batch: Batch, factors: Tensor | None) -> list[Tensor]:
     """``_upcast`` in a buffer of rows: one copy and one multiplication for all gradients."""
-    layout = workspace.layout([p.numel() for p in batch.params], factors.device)
+    device = batch.params[0].device
+    layout = workspace.layout([p.numel() for p in batch.params], device)
     rows, views = workspace.rows("grad", torch.float32, layout, batch.params)
     torch._foreach_copy_(views, batch.grads)
-    rows.mul_(layout.per_row(factors))  # unscale in float32, one factor per gradient
+    if factors is not None:
+        rows.mul_(layout.per_row(factors))  # unscale in float32, one factor per gradient
     return views
 
 
-def _upcast_one(workspace: Workspace, param: Tensor, grad: Tensor, factor: Tensor) -> Tensor:
-    """``_upcast`` of one gradient, multiplied by its factor as a scalar.
+def _upcast_one(workspace: Workspace, param: Tensor, grad: Tensor, factor: Tensor | None) -> Tensor:
+    """``_upcast`` of one gradient, multiplied by its factor as a scalar (``None``: 1).
 
     ``factor`` is 0-dim (a scalar to a CPU kernel): no column of it gathered per row.
     """
     strides = dense_strides(param)
-    if param.numel() > budget(factor.device).piece:  # a parameter that cannot be cut: not kept
-        upcast = torch.empty_strided(param.shape, strides, device=factor.device)
+    device = param.device
+    if param.numel() > budget(device).piece:  # a parameter that cannot be cut: not kept
+        upcast = torch.empty_strided(param.shape, strides, device=device)
     else:
-        buffer = workspace.buffer("grad", torch.float32, factor.device, param.numel())
+        buffer = workspace.buffer("grad", torch.float32, device, param.numel())
         upcast = view_in(buffer, 0, param, strides)
-    return upcast.copy_(grad).mul_(factor)
+    upcast.copy_(grad)
+    return upcast if factor is None else upcast.mul_(factor)
 
 
 def upcast_stored(
@@ -275,15 +283,18 @@ def default_update(
     workspace: Workspace,
     stored_bucket: StoredRowsLookup | None = None,
     cut: bool = True,
+    unscaled: bool = False,
 ) -> None:
     """Update ``entries`` (all on one device; ``factors`` one each) on the default path.
 
     With ``stored_bucket``, the gradients of the buckets backward stored are upcast straight
     from their 16-bit buffers, buckets joined into batches (``stored_batches``, one copy and one
     multiplication a batch); the others are taken in batches (``batches``), the reference
-    path. Without ``cut``, no parameter is cut into pieces (``_pieces``).
+    path. Without ``cut``, no parameter is cut into pieces (``_pieces``). ``unscaled``: no loss
+    scale and no clipping, so that a gradient of true values (``Entry.true_values``) has a
+    factor of exactly 1; those are upcast with no multiplication, batched apart.
     """
-    device = factors.device
+    device = entries[0].param.device
     piece = budget(device).piece
     rest = list(range(len(entries)))
     if stored_bucket is not None:
@@ -291,22 +302,31 @@ def default_update(
         for joined in stored_batches([rows for _, rows in whole], piece):
             ordered = [i for b in joined for i in whole[b][0]]
             chosen = [entries[i] for i in ordered]
-            bucket_factors = factors[workspace.index(ordered, device)]
+            bucket_factors = None
+            if not (unscaled and all(e.true_values for e in chosen)):
+                bucket_factors = factors[workspace.index(ordered, device)]
             grads = upcast_stored(workspace, [whole[b][1] for b in joined], bucket_factors)
             states = {key: [e.state.get(key) for e in chosen] for key in keys}
             steps = [step for e in chosen if (step := e.state.get("step")) is not None]
             update([e.param for e in chosen], grads, states, steps)
         if not rest:
             return
-        if len(rest) != len(entries):
-            entries = [entries[i] for i in rest]
-            factors = factors[workspace.index(rest, device)]
+    exact = [i for i in rest if unscaled and entries[i].true_values]
+    scaled = [i for i in rest if i not in exact] if exact else rest
     # All batches are made before the first update: Python run between the update's large
     # memory passes finds its data evicted from the caches and runs several times slower
     # (docs/performance.md). A batch holds views, and nothing else
     # of a tensor's size (``_pieces``).
-    for batch in list(batches(entries, keys, piece, cut)):
-        grads = _upcast(workspace, batch, factors)
+    found: list[tuple[Batch, Tensor | None]] = []
+    for run, run_factors in ((exact, None), (scaled, factors)):
+        if not run:
+            continue
+        if run_factors is not None and len(run) != len(entries):
+            run_factors = run_factors[workspace.index(run, device)]
+        chosen = entries if len(run) == len(entries) else [entries[i] for i in run]
+        found += [(batch, run_factors) for batch in batches(chosen, keys, piece, cut)]
+    for batch, batch_factors in found:
+        grads = _upcast(workspace, batch, batch_factors)
         update(batch.params, grads, dict(zip(keys, batch.states, strict=True)), batch.steps)
         batch.copy_created()
         del grads  # before the next batch's: one parameter's upcast at a time

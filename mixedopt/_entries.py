@@ -39,6 +39,11 @@ class Entry:
         # State the functional creates on the first step (SGD's momentum buffer): where it goes.
         self.created: dict[str, Tensor] = {}
 
+    @property
+    def true_values(self) -> bool:
+        """Whether ``grad`` holds the true gradient: no stats, or bfloat16 (storage scale 1)."""
+        return self.stats is None or self.grad.dtype == torch.bfloat16
+
 
 def packs(
     entries: Sequence[Entry], small: int, capacity: int, kind: Callable[[int], Hashable]

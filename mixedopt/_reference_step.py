@@ -204,10 +204,17 @@ class ReferencePath:
                 norms[i] = _l2_norm(e.grad)
         return torch.stack([n.to(device) for n in full_values(norms)])  # type: ignore[arg-type]
 
-    def step_group(self, group: dict[str, Any], entries: list[Entry], factors: Tensor) -> None:
+    def step_group(
+        self,
+        group: dict[str, Any],
+        entries: list[Entry],
+        factors: Tensor,
+        unscaled: bool = False,
+    ) -> None:
         """Update ``entries`` of ``group`` by the parent's functional update, in bounded batches.
 
-        ``factors`` holds each gradient's factor to its true value (``factors_and_skip``).
+        ``factors`` holds each gradient's factor to its true value (``factors_and_skip``);
+        ``unscaled``: no loss scale and no clipping (``default_update``).
         """
         rules = self.rules
         keys = rules._state_keys(group)
@@ -232,6 +239,7 @@ class ReferencePath:
                 self.workspace,
                 self.storage.stored_bucket,
                 cut=not rules._updates_whole_parameters,
+                unscaled=unscaled,
             )
         for e in entries:
             e.state.update(e.created)

@@ -42,6 +42,8 @@ class Scaling(NamedTuple):
     """Each gradient's factor to its true value, and whether the step is skipped."""
 
     factors: Tensor | None  # one per entry, in order
+    # No loss scale and no clipping: the factor of a gradient of true values is exactly 1.
+    unscaled: bool
     bucket_unscale: Tensor | None  # GradScaler's and clipping's, for the whole buckets
     skip: Tensor  # 0-dim bool: a gradient is inf or NaN, or GradScaler found one
     fused: bool  # every group takes the fused=True path
@@ -120,7 +122,8 @@ class StepStages:
             self.fused.takes(groups[index], []) for index in bucket_groups
         )
         on_device = fused and not on_host and not budget(skip.device).on_host
-        return Scaling(factors, unscale, skip, fused, on_device, norm)
+        unscaled = grad_scale is None and max_grad_norm is None
+        return Scaling(factors, unscaled, unscale, skip, fused, on_device, norm)
 
     def update(self, collected: Collected, scaling: Scaling) -> None:
         """Update the whole buckets, then each group's entries, with ``scaling``'s factors.
@@ -141,6 +144,6 @@ class StepStages:
                 if scaling.fused:
                     self.fused.step_group(group, group_entries, group_factors, device_skip)
                 else:
-                    self.reference.step_group(group, group_entries, group_factors)
+                    self.reference.step_group(group, group_entries, group_factors, scaling.unscaled)
         finally:
             self.workspace.release()
