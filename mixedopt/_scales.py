@@ -163,7 +163,7 @@ class StorageScales:
         ``_store_alone``).
 
         A 16-bit gradient of ``grad_dtype`` with nothing to add to (one a weight's cast hands
-        over, under ``mixedopt.autocast``) is stored as it is, with scale 1 (``_store_as_is``);
+        over, under ``mixedopt.autocast``) is stored as it is, unscaled (``_store_as_is``);
         ``taken``: nothing else holds it, so that it may become ``.grad`` itself.
         """
         if previous is None and incoming.dtype == self.grad_dtype:
@@ -200,8 +200,10 @@ class StorageScales:
         """Store a gradient already in ``grad_dtype`` unscaled: its values are the true ones.
 
         The tensor itself becomes ``.grad`` where it is ``taken`` (nothing else holds it) and
-        has the stored layout, as ``AccumulateGrad`` takes a gradient over; else a copy. Read
-        once, for its largest magnitude, the bound ``step()`` checks for inf and NaN.
+        has the stored layout, as ``AccumulateGrad`` takes a gradient over; else a copy. Not
+        read: it is recorded with no stats (``None``, true values), so that ``step()`` checks
+        it for inf and NaN where nothing else does; GradScaler's check and clipping's norm read
+        it anyway.
         """
         param = slot.param
         strides = slot.grad_strides()
@@ -216,15 +218,7 @@ class StorageScales:
             stored = torch.empty_strided(
                 param.shape, strides, dtype=self.grad_dtype, device=param.device
             ).copy_(incoming)
-        if budget(stored.device).on_host:
-            stats = torch.tensor([[1.0, abs_max_on_host(stored)]], dtype=torch.float32)
-        else:
-            stats = torch.ones((1, 2), dtype=torch.float32, device=stored.device)
-            if stored.numel():
-                torch.linalg.vector_norm(stored, math.inf, dtype=torch.float32, out=stats[0, 1])
-            else:
-                stats[0, 1].zero_()
-        slot.record(stored, stats, 0, stored._version)
+        slot.record(stored, None, 0, stored._version)
 
     def stats_table(
         self, found: list[tuple[Tensor | None, int]], device: torch.device

@@ -70,7 +70,8 @@ class Slot:
         self.holders = 0  # optimizers holding the parameter: the slot goes with the last one
         # Row ``row`` of ``stats`` is [storage scale, bound on |true gradient|] of the .grad this
         # storage wrote (p.grad == true gradient * scale); ``stats`` has a row per gradient
-        # stored with it.
+        # stored with it. None: the .grad it wrote holds true values, never measured (a 16-bit
+        # gradient stored as it is, ``StorageScales.store_alone``).
         self.stats: Tensor | None = None
         self.row = 0
         self.grad_ref: weakref.ref[Tensor] | None = None  # the .grad tensor this storage wrote
@@ -108,7 +109,7 @@ class Slot:
             self.strides = dense_strides(self.param)
         return self.strides
 
-    def record(self, grad: Tensor, stats: Tensor, row: int, version: int) -> None:
+    def record(self, grad: Tensor, stats: Tensor | None, row: int, version: int) -> None:
         self.param.grad = grad
         self.grad_ref = weakref.ref(grad)
         self.grad_version = version

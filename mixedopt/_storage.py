@@ -774,13 +774,13 @@ class GradientStorage:
 
         ``(stats, row, current)``: row ``row`` of ``stats`` is ``[storage scale, bound on |true
         gradient|]`` (``stats_table`` gathers such rows). ``stats`` is ``None`` where
-        ``param.grad`` holds true values (assigned by hand, or not stored by this storage). The
-        bound was measured when the gradient was stored (inf or NaN there makes it inf or NaN);
-        it no longer holds once ``p.grad`` was changed in place.
+        ``param.grad`` holds true values (assigned by hand, not stored by this storage, or stored
+        as it is), with no bound. The bound was measured when the gradient was stored (inf or
+        NaN there makes it inf or NaN); it no longer holds once ``p.grad`` was changed in place.
         """
         slot = self._slots.get(id(param))
         grad = param.grad
-        if slot is None or not slot.owns(grad):
+        if slot is None or not slot.owns(grad) or slot.stats is None:
             return None, 0, False
         assert grad is not None
         return slot.stats, slot.row, grad._version == slot.grad_version

@@ -198,16 +198,24 @@ def test_gradients_added_up_are_those_stored_from_float32():
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
-def test_an_inf_in_a_cast_weights_gradient_skips_the_step(budget):
+@pytest.mark.parametrize("reader", ["step", "clipping", "GradScaler"])
+def test_an_inf_in_a_cast_weights_gradient_skips_the_step(budget, reader):
+    """Backward stores it unread: step() reads it, or clipping's norm, or GradScaler's check."""
     net = model()
     before = [p.detach().clone() for p in net.parameters()]
     with BUDGETS[budget]():
-        optimizer = mixedopt.AdamW(net.parameters())
+        max_grad_norm = 1.0 if reader == "clipping" else None
+        optimizer = mixedopt.AdamW(net.parameters(), max_grad_norm=max_grad_norm)
         with mixedopt.autocast("cpu", dtype=torch.float16):
             loss = loss_of(net, tokens(0), factor=1e30)  # float16 gradients overflow
-        loss.backward()
+        if reader == "GradScaler":
+            scaler = torch.amp.GradScaler("cpu")
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+        else:
+            loss.backward()
+            optimizer.step()
         assert not weights(net)[1].grad.isfinite().all()
-        optimizer.step()
     assert optimizer.skipped_steps == 1
     for p, q in zip(net.parameters(), before, strict=True):
         assert torch.equal(p, q)
