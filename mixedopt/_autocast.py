@@ -62,23 +62,81 @@ class _Recast:
         return cast.as_strided(self.size, self.stride, self.offset)
 
 
-def _pack(saved: Tensor) -> Any:
-    base = saved._base if saved._base is not None else saved
-    node = base.grad_fn
-    if node is not None and type(node).__name__ == "ToCopyBackward0":
-        source = node.next_functions[0][0]
-        leaf = getattr(source, "variable", None)  # an AccumulateGrad node's tensor
-        if (
-            leaf is not None
-            and leaf.dtype != saved.dtype
-            and saved.dtype in _CASTS
-            and leaf.is_floating_point()
-        ):
-            hook = cast_hook(leaf, base.dtype)
-            if hook is not None:
-                node.register_prehook(hook)  # a second one on the same cast is handed nothing
+class _Region:
+    """The saved-tensor hooks of one region, owned by the thread that runs its forward.
+
+    Besides saving casts as ``_Recast``, it hands each weight cast it finds to the gradient
+    storage (``cast_hook``). A saved cast is found as it is saved. An operation whose other
+    operand needs no gradient (a model's first layer, over its data) saves that operand and
+    not the cast; saving a tensor that needs no gradient arms a search for such casts, which the
+    next saved tensor that has a node runs back through the nodes made since the tensors saved
+    before (autograd numbers a thread's nodes in the order it makes them, a node after those it
+    reads from). A cast only an unsaved tensor depends on is not found: its gradient is stored
+    from float32, as under ``torch.autocast``.
+    """
+
+    __slots__ = ("newest", "floor")
+
+    def __init__(self) -> None:
+        self.newest = -1  # the number of the newest node a saved tensor had
+        self.floor: int | None = None  # while armed: nodes up to this number were searched
+
+    def pack(self, saved: Tensor) -> Any:
+        base = saved._base if saved._base is not None else saved
+        node = base.grad_fn
+        if node is None:
+            if self.floor is None and not saved.requires_grad and saved.is_floating_point():
+                self.floor = self.newest
+            return saved
+        number = node._sequence_nr()
+        if number > self.newest:
+            self.newest = number
+        leaf = _cast_leaf(node) if type(node).__name__ == "ToCopyBackward0" else None
+        if leaf is None:
+            if self.floor is not None:
+                self._search(node, self.floor)
+                self.floor = None
+            return saved
+        if leaf.dtype != saved.dtype and saved.dtype in _CASTS and leaf.is_floating_point():
+            _hand_over(node, leaf, base.dtype)
             return _Recast(leaf, saved)
-    return saved
+        return saved
+
+    @staticmethod
+    def _search(start: Any, floor: int) -> int:
+        """Hand over the casts of leaves among ``start`` and the nodes it reads from.
+
+        Only nodes made after node number ``floor`` are searched. Returns how many were.
+        """
+        seen = set()
+        stack = [start]
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen or node._sequence_nr() <= floor:
+                continue
+            seen.add(node)
+            if type(node).__name__ == "ToCopyBackward0":
+                leaf = _cast_leaf(node)
+                if leaf is not None:
+                    _hand_over(node, leaf, node._input_metadata[0].dtype)
+                    continue
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        return len(seen)
+
+
+def _cast_leaf(node: Any) -> Tensor | None:
+    """The leaf tensor a cast's ``node`` reads (``None``: it casts no leaf)."""
+    return getattr(node.next_functions[0][0], "variable", None)  # an AccumulateGrad's tensor
+
+
+def _hand_over(node: Any, leaf: Tensor, dtype: torch.dtype) -> None:
+    """Register the storage's pre-hook on a cast's ``node`` (``leaf`` to ``dtype``).
+
+    Where a storage manages ``leaf`` and takes its gradients in ``dtype`` (``cast_hook``).
+    """
+    hook = cast_hook(leaf, dtype)
+    if hook is not None:
+        node.register_prehook(hook)  # a second one on the same cast is handed nothing
 
 
 def _unpack(packed: Any) -> Tensor:
@@ -121,6 +179,6 @@ def autocast(
     """
     with (
         torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=False),
-        torch.autograd.graph.saved_tensors_hooks(_pack, _unpack),
+        torch.autograd.graph.saved_tensors_hooks(_Region().pack, _unpack),
     ):
         yield

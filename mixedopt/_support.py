@@ -21,6 +21,8 @@ NEEDED: dict[str, str] = {
     "torch._C._len_torch_dispatch_stack": "whether a dispatch mode is tracing",
     "torch._C._will_engine_execute_node": "whether a backward accumulates a gradient",
     "torch.Tensor._use_count": "whether a gradient is held elsewhere",
+    "torch.autograd.graph.Node._sequence_nr": "the order a forward made autograd's nodes in",
+    "torch.autograd.graph.Node._input_metadata": "the dtype a cast's node makes",
     "torch._C._storage_Use_Count": "whether a gradient's memory is shared",
     "torch.optim.optimizer._device_dtype_check_for_fused": "fused=True's checks, as torch's",
     "torch._dynamo.exc.FailOnRecompileLimitHit": "fused=True's fallback when compiling fails",

@@ -65,13 +65,13 @@ def test_a_weight_changed_between_forward_and_backward_raises():
 def packed(monkeypatch):
     """What mixedopt.autocast saves for backward, in order."""
     found = []
-    pack = _autocast._pack
+    pack = _autocast._Region.pack
 
-    def recording(saved):
-        found.append(pack(saved))
+    def recording(region, saved):
+        found.append(pack(region, saved))
         return found[-1]
 
-    monkeypatch.setattr(_autocast, "_pack", recording)
+    monkeypatch.setattr(_autocast._Region, "pack", recording)
     return found
 
 
@@ -86,6 +86,55 @@ def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(pac
     for t in tensors:
         base = t._base if t._base is not None else t
         assert type(base.grad_fn).__name__ != "ToCopyBackward0"
+
+
+@pytest.fixture
+def handed_over(monkeypatch):
+    """The leaves whose casts mixedopt.autocast hands to the gradient storage, in order."""
+    found = []
+    hand_over = _autocast._hand_over
+
+    def recording(node, leaf, dtype):
+        found.append(leaf)
+        hand_over(node, leaf, dtype)
+
+    monkeypatch.setattr(_autocast, "_hand_over", recording)
+    return found
+
+
+def test_the_cast_of_a_layer_over_data_is_found_though_not_saved(packed, handed_over):
+    net = two_linears()
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        net(torch.randn(2, 8)).float().sum().backward()
+    recasts = [p.leaf for p in packed if isinstance(p, _autocast._Recast)]
+    assert not any(leaf is net[0].weight for leaf in recasts)  # its product saves its input
+    assert any(leaf is net[0].weight for leaf in handed_over)
+    assert any(leaf is net[2].weight for leaf in handed_over)
+
+
+@pytest.fixture
+def searched(monkeypatch):
+    """How many nodes each search of mixedopt.autocast ran through, in order."""
+    found = []
+    search = _autocast._Region._search
+
+    def recording(start, floor):
+        found.append(search(start, floor))
+        return found[-1]
+
+    monkeypatch.setattr(_autocast._Region, "_search", staticmethod(recording))
+    return found
+
+
+def test_a_search_runs_back_only_through_the_nodes_made_since_the_last_saved_tensor(searched):
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(20)])
+    x = torch.randn(2, 8, requires_grad=True)  # every product saves its weight's cast
+    mask = torch.rand(2, 8)  # needs no gradient: saving it arms a search
+    with mixedopt.autocast("cpu", dtype=torch.float16):
+        (net(x) * mask).tanh().float().sum().backward()
+    assert len(searched) == 1
+    assert 0 < searched[0] <= 3  # the product with the mask and the tanh, of 100 nodes and more
 
 
 def test_a_16_bit_weight_cast_to_float32_is_recast_with_the_gradients_of_torch_autocast(packed):

@@ -114,6 +114,52 @@ def test_backward_makes_no_float32_copy_of_a_saved_cast_weights_gradient(library
     assert optimizer.param_groups  # the optimizer (and so the storage) lived through backward
 
 
+def over_data():
+    """A first layer of 76,800 elements over data, which needs no gradient."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(256, 300), nn.GELU(), nn.Linear(300, 256))
+
+
+@pytest.mark.parametrize("library", ["mixedopt", "torch"])
+def test_backward_makes_no_float32_copy_of_a_first_layers_gradient(library):
+    """Its product saves its input, not its weight's cast: mixedopt.autocast searches for it."""
+    net = over_data()
+    if library == "mixedopt":
+        optimizer = mixedopt.AdamW(net.parameters())
+        region = mixedopt.autocast
+    else:
+        optimizer = torch.optim.AdamW(net.parameters())
+        region = torch.autocast
+    with region("cpu", dtype=torch.float16):
+        loss = net(torch.randn(4, 256)).float().square().mean()
+    with FloatCopies() as copies:
+        loss.backward()
+    assert ((300, 256) in copies.shapes) == (library == "torch")
+    assert optimizer.param_groups
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_steps_over_data_give_the_weights_of_torch_optim_under_torch_autocast(budget):
+    net, twin = over_data(), over_data()
+    with BUDGETS[budget]():
+        optimizer = mixedopt.AdamW(net.parameters(), lr=1e-2)
+        reference = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+        for seed in range(3):
+            x = torch.randn(4, 256, generator=torch.Generator().manual_seed(seed))
+            with mixedopt.autocast("cpu", dtype=torch.float16):
+                net(x).float().square().mean().backward()
+            with torch.autocast("cpu", dtype=torch.float16):
+                twin(x).float().square().mean().backward()
+            assert net[0].weight.grad.dtype == torch.float16
+            assert torch.equal(net[0].weight.grad.float(), twin[0].weight.grad)
+            optimizer.step()
+            reference.step()
+            optimizer.zero_grad()
+            reference.zero_grad()
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_steps_give_the_weights_of_torch_optim_under_torch_autocast(budget):
     """Gradients float16 holds exactly (no tied weight adding two), so weights bit for bit."""
