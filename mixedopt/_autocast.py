@@ -21,7 +21,9 @@ leaf to this hook: same gradients, no saving.
 
 Where a mixedopt optimizer's gradient storage manages the leaf, the hook also registers the
 storage's pre-hook on the cast's node (``GradientStorage.cast_hook``): the weight's 16-bit
-gradient goes to the storage as it is, and autograd makes no float32 copy of it.
+gradient goes to the storage as it is, and autograd makes no float32 copy of it. A cast no
+operation saves (a first layer's, over data that needs no gradient) is found by a short search
+back from a later saved tensor (``_Region``).
 """
 
 from __future__ import annotations
