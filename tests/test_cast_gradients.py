@@ -94,15 +94,17 @@ class FloatCopies(TorchDispatchMode):
         return out
 
 
+def optimizer_and_region(library, net):
+    """mixedopt's AdamW and mixedopt.autocast, or torch.optim's and torch.autocast."""
+    if library == "mixedopt":
+        return mixedopt.AdamW(net.parameters()), mixedopt.autocast
+    return torch.optim.AdamW(net.parameters()), torch.autocast
+
+
 @pytest.mark.parametrize("library", ["mixedopt", "torch"])
 def test_backward_makes_no_float32_copy_of_a_saved_cast_weights_gradient(library):
     net = model()
-    if library == "mixedopt":
-        optimizer = mixedopt.AdamW(net.parameters())
-        region = mixedopt.autocast
-    else:
-        optimizer = torch.optim.AdamW(net.parameters())
-        region = torch.autocast
+    optimizer, region = optimizer_and_region(library, net)
     with region("cpu", dtype=torch.float16):
         loss = loss_of(net, tokens(0))
     with FloatCopies() as copies:
@@ -124,12 +126,7 @@ def over_data():
 def test_backward_makes_no_float32_copy_of_a_first_layers_gradient(library):
     """Its product saves its input, not its weight's cast: mixedopt.autocast searches for it."""
     net = over_data()
-    if library == "mixedopt":
-        optimizer = mixedopt.AdamW(net.parameters())
-        region = mixedopt.autocast
-    else:
-        optimizer = torch.optim.AdamW(net.parameters())
-        region = torch.autocast
+    optimizer, region = optimizer_and_region(library, net)
     with region("cpu", dtype=torch.float16):
         loss = net(torch.randn(4, 256)).float().square().mean()
     with FloatCopies() as copies:
