@@ -4,8 +4,8 @@
 # checkout. The benchmark includes the many-small-parameters regime and the medium one (with a
 # forward under mixedopt.autocast). Results go to $OUT (or ./gpu-results): device.txt,
 # pytest.txt, bench.txt, bench_gpu.json, in_backward.txt, bench_in_backward_gpu.json, floor.txt
-# (scripts/floor_small.py), bytes.txt (counted bytes per parameter, the same on any machine),
-# demo.txt.
+# (scripts/floor_small.py), cast_path.txt (scripts/cast_path_threshold.py), bytes.txt (counted
+# bytes per parameter, the same on any machine), demo.txt.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-gpu-results}"
@@ -23,6 +23,7 @@ bench=${PIPESTATUS[0]}
 timeout 60 python3 -m mixedopt.bench.in_backward --device cuda --repeat 20 \
     --json "$out/bench_in_backward_gpu.json" 2>&1 | tee "$out/in_backward.txt"
 timeout 40 python3 scripts/floor_small.py --device cuda --repeat 100 2>&1 | tee "$out/floor.txt"
+timeout 90 python3 scripts/cast_path_threshold.py --device cuda 2>&1 | tee "$out/cast_path.txt"
 timeout 60 python3 -m mixedopt.bench.bytes 2>&1 | tee "$out/bytes.txt"
 timeout 60 python3 -m mixedopt --device cuda 2>&1 | tee "$out/demo.txt"
 echo "pytest exit $tests, bench exit $bench"

@@ -362,6 +362,16 @@ def test_step_in_backward_benchmark_times_forwards_in_the_autocast_dtype_asked_f
     assert {forward for forward, _ in outputs} == {"torch.autocast", "mixedopt.autocast"}
 
 
+def test_cast_path_script_hands_over_every_cast_only_in_its_variant():
+    script = str(ROOT / "scripts" / "cast_path_threshold.py")
+    small = ["--blocks", "1", "--width", "64", "--tokens", "16", "--repeat", "2"]
+    result = run_python([script, *small], 300)
+    assert result.returncode == 0, result.stderr
+    # Weights of 4,096 and 16,384 elements: a CPU keeps them in buckets (32Ki elements at most).
+    handed_over = dict(re.findall(r"^\| ([^|]+) \|.* \| (\d+) of 6 \|$", result.stdout, re.M))
+    assert handed_over == {"torch": "0", "mixedopt": "0", "mixedopt, every cast": "6"}
+
+
 def test_floor_script_times_each_variant_doing_torchs_update():
     result = run_python([str(ROOT / "scripts" / "floor_small.py"), "--repeat", "2"], 300)
     assert result.returncode == 0, result.stderr
