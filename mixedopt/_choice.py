@@ -47,6 +47,7 @@ def implementation(
     *,
     torch_fused: bool,
     compiled: bool,
+    foreach_fewer_temporaries: bool = False,
 ) -> Implementation:
     """The implementation that updates ``params``, a batch of ``group`` on one device.
 
@@ -62,9 +63,12 @@ def implementation(
 
     ``foreach=None`` (the default) takes torch's foreach implementation on a CPU for a batch of
     small tensors (``CPU_SMALL`` elements each on average, or fewer), where a dispatch per tensor
-    and operation costs more than the temporaries it saves, and leaves the choice to torch
-    otherwise. A tensor ``lr`` leaves it to torch too: torch's foreach Adam refuses one without
-    ``capturable`` (which mixedopt refuses), and torch's own choice avoids it.
+    and operation costs more than the temporaries it saves, and for any batch where
+    ``foreach_fewer_temporaries`` (the parent's foreach update makes fewer temporaries than its
+    for-loop: Adam's one per tensor, where its for-loop makes two; a batch is bounded, so are
+    they), and leaves the choice to torch otherwise. A tensor ``lr`` leaves it to torch too:
+    torch's foreach Adam refuses one without ``capturable`` (which mixedopt refuses), and
+    torch's own choice avoids it.
     """
     if fused_requested(group):
         if torch_fused and dense(params) and (not compiled or _small_for_torch_fused(params)):
@@ -76,7 +80,7 @@ def implementation(
         if torch.is_tensor(group["lr"]):
             return Implementation.TORCH_DEFAULT
         elements = sum(map(Tensor.numel, params))
-        if elements <= CPU_SMALL * len(params):
+        if foreach_fewer_temporaries or elements <= CPU_SMALL * len(params):
             return Implementation.FOREACH
         return Implementation.FOR_LOOP
     if foreach is None:

@@ -460,10 +460,12 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ per optimizer
 
     # The compiled update of one parameter or one pack (``_compiled.py``), its state arguments
-    # in order, and whether the parent's functional update has a fused implementation.
+    # in order, whether the parent's functional update has a fused implementation, and whether
+    # its foreach implementation makes fewer temporaries than its for-loop (``_choice.py``).
     _compiled_kernel: Callable[..., None] | None = None  # None: fused=True takes torch's own
     _compiled_state_order: tuple[str, ...] = ()
     _parent_has_torch_fused = False
+    _foreach_fewer_temporaries = False
 
     def _compiled_hyperparameters(self, group: dict[str, Any]) -> list[Tensor | bool | None]:
         """The arguments of the compiled kernel that a group shares, after the skip flag."""
@@ -511,7 +513,11 @@ class MixedPrecisionOptimizer(torch.optim.Optimizer):
     def _torch_implementation(self, group: dict[str, Any], params: list[Tensor]) -> Implementation:
         """Which of torch's implementations ``_update`` calls for ``params`` (``_choice.py``)."""
         return implementation(
-            group, params, torch_fused=self._parent_has_torch_fused, compiled=False
+            group,
+            params,
+            torch_fused=self._parent_has_torch_fused,
+            compiled=False,
+            foreach_fewer_temporaries=self._foreach_fewer_temporaries,
         )
 
     def _torch_foreach(self, group: dict[str, Any], params: list[Tensor]) -> bool | None:

@@ -87,6 +87,7 @@ class Adam(MixedPrecisionOptimizer, torch.optim.Adam):
 
     _compiled_kernel = staticmethod(adam_kernel)
     _parent_has_torch_fused = True
+    _foreach_fewer_temporaries = True  # the for-loop's denominator: a square root, then a division
     _compiled_state_order = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
     def _state_keys(self, group: dict[str, Any]) -> list[str]:

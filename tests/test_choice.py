@@ -65,6 +65,26 @@ def test_the_default_foreach_on_a_cpu_takes_foreach_for_small_tensors_only(numel
     assert chosen is expected
 
 
+def test_the_default_foreach_takes_foreach_for_large_tensors_where_it_makes_fewer_temporaries():
+    large = tensors(CPU_SMALL * 4, CPU_SMALL * 8)
+    chosen = implementation(
+        group(), large, torch_fused=True, compiled=False, foreach_fewer_temporaries=True
+    )
+    assert chosen is Implementation.FOREACH
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [("Adam", Implementation.FOREACH), ("AdamW", Implementation.FOREACH)]
+    + [(name, Implementation.FOR_LOOP) for name in ("SGD", "RMSprop", "Adagrad")],
+)
+def test_adams_large_cpu_batches_take_torchs_foreach_update(name, expected):
+    """Adam's for-loop divides a fresh square root into another temporary; foreach in place."""
+    params = [torch.nn.Parameter(t) for t in tensors(CPU_SMALL * 4, CPU_SMALL * 8)]
+    optimizer = getattr(mixedopt, name)(params, lr=1e-3)
+    assert optimizer._torch_implementation(optimizer.param_groups[0], params) is expected
+
+
 def test_a_tensor_learning_rate_leaves_the_choice_to_torch():
     lr = torch.tensor(1e-3)
     chosen = implementation(group(lr=lr), tensors(10), torch_fused=True, compiled=False)
