@@ -94,6 +94,17 @@ class FloatCopies(TorchDispatchMode):
         return out
 
 
+def step_both(optimizer, reference):
+    for opt in (optimizer, reference):
+        opt.step()
+        opt.zero_grad()
+
+
+def assert_same_weights(net, twin):
+    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def optimizer_and_region(library, net):
     """mixedopt's AdamW and mixedopt.autocast, or torch.optim's and torch.autocast."""
     if library == "mixedopt":
@@ -149,12 +160,8 @@ def test_steps_over_data_give_the_weights_of_torch_optim_under_torch_autocast(bu
                 twin(x).float().square().mean().backward()
             assert net[0].weight.grad.dtype == torch.float16
             assert torch.equal(net[0].weight.grad.float(), twin[0].weight.grad)
-            optimizer.step()
-            reference.step()
-            optimizer.zero_grad()
-            reference.zero_grad()
-    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
+            step_both(optimizer, reference)
+    assert_same_weights(net, twin)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -166,12 +173,8 @@ def test_steps_give_the_weights_of_torch_optim_under_torch_autocast(budget):
         reference = torch.optim.AdamW(twin.parameters(), lr=1e-2, foreach=False)
         for seed in range(3):
             backward_both(net, twin, torch.float16, seed)
-            optimizer.step()
-            reference.step()
-            optimizer.zero_grad()
-            reference.zero_grad()
-    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
+            step_both(optimizer, reference)
+    assert_same_weights(net, twin)
 
 
 def test_clipping_and_a_loss_scale_give_the_weights_of_torch_optim():
@@ -195,8 +198,7 @@ def test_clipping_and_a_loss_scale_give_the_weights_of_torch_optim():
         assert torch.equal(optimizer.last_grad_norm, norm)
         optimizer.zero_grad()
         reference.zero_grad()
-    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
+    assert_same_weights(net, twin)
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -278,8 +280,7 @@ def test_step_in_backward_gives_the_weights_of_backward_then_step(budget):
                 loss_of(twin, tokens(seed)).backward()
             reference.step()
             reference.zero_grad()
-    for p, q in zip(net.parameters(), twin.parameters(), strict=True):
-        assert torch.equal(p, q)
+    assert_same_weights(net, twin)
 
 
 def test_a_parameter_let_go_before_backward_gets_its_float32_gradient():
