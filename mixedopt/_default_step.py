@@ -311,8 +311,13 @@ def default_update(
             update([e.param for e in chosen], grads, states, steps)
         if not rest:
             return
-    exact = [i for i in rest if unscaled and entries[i].true_values]
-    scaled = [i for i in rest if i not in exact] if exact else rest
+    exact: list[int] = []
+    scaled = rest
+    if unscaled:
+        exact = [i for i in rest if entries[i].true_values]
+        if exact:
+            apart = set(exact)
+            scaled = [i for i in rest if i not in apart]
     # All batches are made before the first update: Python run between the update's large
     # memory passes finds its data evicted from the caches and runs several times slower
     # (docs/performance.md). A batch holds views, and nothing else
