@@ -12,6 +12,7 @@ import math
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
@@ -41,6 +42,34 @@ def user_stacklevel() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_DIRS):
         level, frame = level + 1, frame.f_back
     return level
+
+
+def _per_gradient(
+    entries: list[Entry],
+    device: torch.device,
+    order: float,
+    joins: Callable[[Tensor], object],
+    alone: Callable[[Tensor], Tensor],
+) -> Tensor:
+    """The float32 ``order``-norm of each stored gradient, a 1-D tensor on ``device``.
+
+    Those on ``device`` that ``joins`` takes in one ``_foreach_norm``, each other by ``alone``;
+    a sharded gradient's is reduced over ranks (``full_values``).
+    """
+    found: list[Tensor | None] = [None] * len(entries)
+    together = [
+        i
+        for i, e in enumerate(entries)
+        if e.grad.device == device and not is_dtensor(e.grad) and joins(e.grad)
+    ]
+    if together:
+        grads = [entries[i].grad for i in together]
+        for i, value in zip(
+            together, torch._foreach_norm(grads, order, dtype=torch.float32), strict=True
+        ):
+            found[i] = value
+    values = [alone(e.grad) if v is None else v for e, v in zip(entries, found, strict=True)]
+    return torch.stack([v.to(device) for v in full_values(values)])
 
 
 def _l2_norm(grad: Tensor) -> Tensor:
@@ -187,21 +216,8 @@ class ReferencePath:
     @staticmethod
     def _stored_norms(entries: list[Entry], device: torch.device) -> Tensor:
         """The float32 L2 norm of each stored gradient (a 1-D tensor on ``device``)."""
-        norms: list[Tensor | None] = [None] * len(entries)
         capacity = budget(device).capacity
-        together = [
-            i
-            for i, e in enumerate(entries)
-            if e.grad.device == device and e.grad.numel() <= capacity and not is_dtensor(e.grad)
-        ]
-        if together:
-            found = torch._foreach_norm([entries[i].grad for i in together], 2, dtype=torch.float32)
-            for i, norm in zip(together, found, strict=True):
-                norms[i] = norm
-        for i, e in enumerate(entries):
-            if norms[i] is None:
-                norms[i] = _l2_norm(e.grad)
-        return torch.stack([n.to(device) for n in full_values(norms)])  # type: ignore[arg-type]
+        return _per_gradient(entries, device, 2, lambda g: g.numel() <= capacity, _l2_norm)
 
     @staticmethod
     def _stored_abs_maxes(entries: list[Entry], device: torch.device) -> Tensor:
@@ -210,22 +226,10 @@ class ReferencePath:
         On an accelerator, one operation for those on ``device``; on a CPU each its own
         (``abs_max``: faster there than an inf-norm).
         """
-        found: list[Tensor | None] = [None] * len(entries)
-        together = [
-            i
-            for i, e in enumerate(entries)
-            if e.grad.device == device and e.grad.numel() and not is_dtensor(e.grad)
-        ]
-        if len(together) > 1 and not budget(device).on_host:
-            grads = [entries[i].grad for i in together]
-            for i, amax in zip(
-                together, torch._foreach_norm(grads, math.inf, dtype=torch.float32), strict=True
-            ):
-                found[i] = amax
-        measured = full_values(
-            abs_max(e.grad) if m is None else m for e, m in zip(entries, found, strict=True)
+        on_host = budget(device).on_host
+        return _per_gradient(
+            entries, device, math.inf, lambda g: g.numel() and not on_host, abs_max
         )
-        return torch.stack([m.to(device) for m in measured])
 
     def step_group(
         self,
