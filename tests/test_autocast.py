@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -61,18 +63,29 @@ def test_a_weight_changed_between_forward_and_backward_raises():
         loss.backward()
 
 
+def recorded(monkeypatch, owner, name, record):
+    """Wrap ``owner.name`` so that each call appends ``record(arguments, result)`` to a list.
+
+    Returns the list. A staticmethod stays one.
+    """
+    found = []
+    original = inspect.getattr_static(owner, name)
+    static = isinstance(original, staticmethod)
+    function = original.__func__ if static else original
+
+    def recording(*arguments):
+        result = function(*arguments)
+        found.append(record(arguments, result))
+        return result
+
+    monkeypatch.setattr(owner, name, staticmethod(recording) if static else recording)
+    return found
+
+
 @pytest.fixture
 def packed(monkeypatch):
     """What mixedopt.autocast saves for backward, in order."""
-    found = []
-    pack = _autocast._Region.pack
-
-    def recording(region, saved):
-        found.append(pack(region, saved))
-        return found[-1]
-
-    monkeypatch.setattr(_autocast._Region, "pack", recording)
-    return found
+    return recorded(monkeypatch, _autocast._Region, "pack", lambda _, result: result)
 
 
 def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(packed):
@@ -91,15 +104,7 @@ def test_casts_of_weights_are_saved_as_recipes_and_other_tensors_as_they_are(pac
 @pytest.fixture
 def handed_over(monkeypatch):
     """The leaves whose casts mixedopt.autocast hands to the gradient storage, in order."""
-    found = []
-    hand_over = _autocast._hand_over
-
-    def recording(node, leaf, dtype):
-        found.append(leaf)
-        hand_over(node, leaf, dtype)
-
-    monkeypatch.setattr(_autocast, "_hand_over", recording)
-    return found
+    return recorded(monkeypatch, _autocast, "_hand_over", lambda arguments, _: arguments[1])
 
 
 def test_the_cast_of_a_layer_over_data_is_found_though_not_saved(packed, handed_over):
@@ -115,15 +120,7 @@ def test_the_cast_of_a_layer_over_data_is_found_though_not_saved(packed, handed_
 @pytest.fixture
 def searched(monkeypatch):
     """How many nodes each search of mixedopt.autocast ran through, in order."""
-    found = []
-    search = _autocast._Region._search
-
-    def recording(start, floor):
-        found.append(search(start, floor))
-        return found[-1]
-
-    monkeypatch.setattr(_autocast._Region, "_search", staticmethod(recording))
-    return found
+    return recorded(monkeypatch, _autocast._Region, "_search", lambda _, result: result)
 
 
 def test_a_search_runs_back_only_through_the_nodes_made_since_the_last_saved_tensor(searched):
