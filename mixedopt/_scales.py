@@ -162,17 +162,22 @@ class StorageScales:
         the bucket store lends this store). Runs under ``torch.no_grad()`` (the storage's
         ``_store_alone``).
 
-        A 16-bit gradient of ``grad_dtype`` with nothing to add to (one a weight's cast hands
-        over, under ``mixedopt.autocast``) is stored as it is, unscaled (``_store_as_is``);
-        ``taken``: nothing else holds it, so that it may become ``.grad`` itself.
+        ``taken``: nothing else holds ``incoming``. A 16-bit gradient of ``grad_dtype`` with
+        nothing to add to (one a weight's cast hands over, under ``mixedopt.autocast``) is
+        stored as it is, unscaled (``_store_as_is``), and may become ``.grad`` itself; a float32
+        one may be scaled in place on a CPU.
         """
         if previous is None and incoming.dtype == self.grad_dtype:
             self._store_as_is(slot, incoming, taken)
             return
         true = incoming.float()
+        # Whether ``true`` is this store's to overwrite: a tensor it made, or one nothing else
+        # holds (not part of a graph ``backward(create_graph=True)`` builds).
+        owned = true is not incoming or (taken and not incoming.requires_grad)
         if previous is not None:
             (inverse,) = self.inverse([slot], [previous])
             true = torch.addcmul(true, previous, inverse)
+            owned = True
         param = slot.param
         stored = torch.empty_strided(
             param.shape, slot.grad_strides(), dtype=self.grad_dtype, device=param.device
@@ -183,7 +188,7 @@ class StorageScales:
             amax = abs_max_on_host(true)
             scale = self.for_magnitude_on_host(amax)
             stats = torch.tensor([[scale, amax]], dtype=torch.float32)
-            _scale_into(stored, true, scale, scratch)
+            _scale_into(stored, true, scale, scratch, owned)
         else:
             # Four launches, each writing where the next reads: the largest magnitude into the
             # stats row, the scale beside it (``power_of_two_scale``'s two), the scaled rounding.
@@ -249,19 +254,24 @@ class StorageScales:
 
 
 def _scale_into(
-    stored: Tensor, true: Tensor, scale: float, scratch: Callable[[int], Tensor]
+    stored: Tensor, true: Tensor, scale: float, scratch: Callable[[int], Tensor], owned: bool
 ) -> None:
     """``stored = true * scale`` on a CPU, in float32, rounded to ``stored``'s dtype.
 
     On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
-    whole gradient first. For a gradient of up to ``SCRATCH_PIECE`` elements that temporary is
-    small and comes back warm from the allocator, and one multiplication is the fastest
-    (docs/performance.md). A larger one's temporary is fresh memory, whose pages the system maps
+    whole gradient first, memory that no cache holds. ``owned`` (``true`` is this store's to
+    overwrite): ``true`` is scaled where it is, then rounded, in memory the caches still hold
+    from the operation that made it. Else, for a gradient of up to ``SCRATCH_PIECE`` elements,
+    one multiplication; a larger one's temporary is fresh memory, whose pages the system maps
     at the first write: there a dense gradient is scaled in pieces through ``scratch`` instead
     (the staging buffer, which the next bucket zeroes again), each piece a vectorised
     multiplication and a rounding copy, small enough to stay in a core's cache between the two.
-    Both round the same float32 products.
+    All round the same float32 products (docs/performance.md).
     """
+    if owned:
+        torch.mul(true, scale, out=true)
+        stored.copy_(true)
+        return
     size = min(SCRATCH_PIECE, budget(true.device).capacity)
     numel = true.numel()
     order = dense_order(stored) if numel > size else None

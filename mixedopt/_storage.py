@@ -234,7 +234,8 @@ class GradientStorage:
             # bucket's store takes it from there. Every other case goes to ``_take``.
             task = _current_backward()
             if claims.setdefault(slot, task) != task:
-                return self._take(slot, grad_outputs[0], task, claimed=False)
+                sole = sole_holder(grad_outputs)  # before this frame holds the gradient
+                return self._take(slot, grad_outputs[0], task, claimed=False, sole=sole)
             bucket = slot.bucket
             if (
                 bucket is not None
@@ -249,7 +250,8 @@ class GradientStorage:
                 bucket.elements += slot.elements
                 slot.pending = True
                 return None  # autograd stores it, as it would without mixedopt
-            return self._take(slot, grad_outputs[0], task, claimed=True)
+            sole = sole_holder(grad_outputs)
+            return self._take(slot, grad_outputs[0], task, claimed=True, sole=sole)
 
         return hook
 
@@ -332,7 +334,7 @@ class GradientStorage:
 
     @deferring_releases  # a finalizer may run in the middle of it
     def _take(
-        self, slot: Slot, incoming: Tensor | None, task: int, claimed: bool
+        self, slot: Slot, incoming: Tensor | None, task: int, claimed: bool, sole: bool = False
     ) -> tuple[None] | None:
         """The hook's other cases, out of its way.
 
@@ -341,8 +343,10 @@ class GradientStorage:
         gradient too large for a bucket, one another running backward has claimed (added once
         that one stored its own), and those autograd keeps: a distributed engine's, sparse ones
         (``step()`` refuses them), a parameter let go meanwhile.
+
+        ``sole``: nothing else holds ``incoming`` (``_takeover.sole_holder``).
         """
-        taken = False  # whether ``incoming`` is the storage's to keep as ``.grad``
+        taken = sole  # whether ``incoming`` is the storage's own (to keep, or to scale in place)
         if claimed and slot.staged:  # what the parameter's casts handed over (``_stage``)
             incoming, taken = self._join_staged(slot, incoming)
         if incoming is None:  # nothing to store
@@ -377,7 +381,7 @@ class GradientStorage:
     ) -> tuple[None] | None:
         """``_take`` once the slot is claimed for ``task``: hands the claim on or releases it.
 
-        ``taken``: ``incoming`` is the storage's to keep as ``.grad`` (``_store_alone``).
+        ``taken``: ``incoming`` is the storage's own (``_store_alone``).
         """
         param = slot.param
         if slot.pending:  # a second gradient in this backward: its bucket is stored first
@@ -386,7 +390,7 @@ class GradientStorage:
             with self._lock:
                 owner = self._claims.setdefault(slot, task)
             if owner != task:  # claimed meanwhile by another backward: added after it
-                return self._take(slot, incoming, task, claimed=False)
+                return self._take(slot, incoming, task, claimed=False, sole=taken)
         previous = param.grad
         with self._lock:
             if self._kept_by_autograd(slot, incoming, task):
@@ -576,7 +580,8 @@ class GradientStorage:
     ) -> None:
         """Store one gradient (added to ``previous``) on its own, and hand it to its consumer.
 
-        ``taken``: ``incoming`` may become ``.grad`` as it is (nothing else holds it).
+        ``taken``: nothing else holds ``incoming``: it may become ``.grad`` as it is, or be
+        scaled in place.
         """
         with self._bucket_store.lend_staging(incoming.device) as staging:
             self._scales.store_alone(slot, incoming, previous, staging.scratch, taken)

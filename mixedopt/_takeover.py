@@ -1,4 +1,4 @@
-"""Whether a gradient autograd hands a hook is held by nothing else, so it may become ``.grad``.
+"""Whether a gradient autograd hands a hook is held by nothing else: it may be kept or changed.
 
 torch's ``AccumulateGrad`` makes an incoming gradient ``.grad`` without copying it when nothing
 else holds it, judged by its C++ reference count. A Python pre-hook sees that count too
@@ -6,11 +6,13 @@ else holds it, judged by its C++ reference count. A Python pre-hook sees that co
 tensor object, which C++ counts as one: a gradient a hook elsewhere kept, or another node's
 pre-hook, shows only there (``sys.getrefcount``). How many references the hook's own call adds
 depends on torch's and Python's internals, so they are measured once, at import, on a small
-backward (``_measure``), not assumed: where a gradient held elsewhere cannot be told from one
-held by nothing else, ``sole_holder`` is always ``False`` and every gradient is copied.
+backward (``_measure``), at the pre-hooks of both nodes mixedopt hooks (a weight's cast and its
+``AccumulateGrad``), not assumed: where a gradient held elsewhere cannot be told from one held
+by nothing else, ``sole_holder`` is always ``False`` and every gradient is copied.
 
-Taking a gradient held elsewhere would be a silent error: a later in-place change of ``.grad``
-(``clip_grad_norm_``, ``zero_grad(set_to_none=False)``) would change the other holder's tensor.
+Taking or overwriting a gradient held elsewhere would be a silent error: a later in-place
+change of ``.grad`` (``clip_grad_norm_``, ``zero_grad(set_to_none=False)``), or the store's
+scaling, would change the other holder's tensor.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ def _counts(grad_outputs: tuple[Tensor | None, ...]) -> Counts:
     """The references to a pre-hook's gradient, its storage, its base (0: none) and its object.
 
     Called with the hook's own argument, before the hook holds the gradient in a variable.
-    ``UNKNOWN`` for a tensor without a storage of its own to count (sparse, or a subclass's).
+    ``UNKNOWN`` for no gradient (``None``) or a tensor without a storage of its own to count
+    (sparse, or a subclass's).
     """
     grad = grad_outputs[0]
-    assert grad is not None
+    if grad is None:
+        return UNKNOWN
     try:
         storage = torch._C._storage_Use_Count(grad.untyped_storage()._cdata)
     except (NotImplementedError, RuntimeError):
@@ -48,11 +52,13 @@ def _counts(grad_outputs: tuple[Tensor | None, ...]) -> Counts:
 
 
 def _measure() -> frozenset[Counts]:
-    """The counts a cast's pre-hook sees for a gradient nothing else holds (empty: unknown).
+    """The counts a pre-hook sees for a gradient nothing else holds (empty: unknown).
 
     Two forms: a tensor of its own, and a view of one (a weight used transposed gets the
-    transpose of its product's gradient). Empty where a gradient held elsewhere shows the
-    counts of one held by nothing else, or where a count cannot be read.
+    transpose of its product's gradient), each at a cast's pre-hook and at a leaf's
+    ``AccumulateGrad`` pre-hook. Empty where a gradient held elsewhere shows the counts of one
+    held by nothing else, where the two nodes' hooks see different counts, or where a count
+    cannot be read.
     """
     seen: dict[str, list[Counts]] = {"alone": [], "shared": [], "kept": []}
 
@@ -67,6 +73,18 @@ def _measure() -> frozenset[Counts]:
         assert made.grad_fn is not None
         made.grad_fn.register_prehook(seeing(name))
         return made
+
+    def accumulator(leaf: Tensor, name: str) -> object:
+        """``leaf``'s ``AccumulateGrad``, hooked; it lives as long as something holds it."""
+        view = leaf.view_as(leaf).grad_fn
+        assert view is not None
+        node = view.next_functions[0][0]
+        assert node is not None
+        node.register_prehook(seeing(name))
+        return node
+
+    def leaves() -> tuple[Tensor, Tensor]:
+        return torch.ones(2, 2, requires_grad=True), torch.ones(2, 2, requires_grad=True)
 
     try:
         with torch.enable_grad(), torch.autocast("cpu", enabled=False):
@@ -84,12 +102,26 @@ def _measure() -> frozenset[Counts]:
             stashed = cast(weight, "kept")
             stashed.register_hook(kept.append)
             (stashed @ right).float().sum().backward()
+            # The same three at leaves' own nodes, where float32 gradients arrive.
+            first, second = leaves()
+            nodes = [accumulator(first, "alone"), accumulator(second, "alone")]
+            (first @ right.float() + right.float() @ second.t()).sum().backward()
+            first, second = leaves()
+            nodes += [accumulator(first, "shared"), accumulator(second, "shared")]
+            ((first + second) @ right.float()).sum().backward()
+            first, _ = leaves()
+            nodes.append(accumulator(first, "kept"))
+            first.register_hook(kept.append)
+            (first @ right.float()).sum().backward()
     except (AttributeError, RuntimeError):  # a count this torch does not give
         return frozenset()
     alone, shared, kept_counts = seen["alone"], seen["shared"], seen["kept"]
-    if (len(alone), len(shared), len(kept_counts)) != (2, 2, 1):
+    if (len(alone), len(shared), len(kept_counts)) != (4, 4, 2):
         return frozenset()
-    if shared[0] in alone or kept_counts[0] in alone:
+    if set(alone[:2]) != set(alone[2:]):  # the two nodes' hooks see a gradient alike
+        return frozenset()
+    held_elsewhere = (shared[0], shared[2], *kept_counts)  # each pair's first to run
+    if any(counts in alone for counts in held_elsewhere):
         return frozenset()
     return frozenset(alone)
 
@@ -103,6 +135,7 @@ def sole_holder(grad_outputs: tuple[Tensor | None, ...]) -> bool:
 
     Call it with the hook's argument before the hook holds the gradient in a variable (a
     reference more). ``True``: only autograd's call holds it and no other tensor shares its
-    memory: it may become a parameter's ``.grad`` as it is, as ``AccumulateGrad`` would make it.
+    memory: it may become a parameter's ``.grad`` as it is, as ``AccumulateGrad`` would make it,
+    or be overwritten.
     """
     return _counts(grad_outputs) in _ALONE

@@ -441,33 +441,78 @@ def test_a_storage_scale_is_finite_whatever_the_gradient(values):
     assert math.isfinite(power_of_two_scale_on_host(amax.item()))
 
 
+def stored_alone(g: torch.Tensor, memory_format, held_elsewhere: bool):
+    """``(p.grad, storage scale, what a hook kept)`` of a parameter whose gradient is ``g``.
+
+    ``held_elsewhere``: a hook of the parameter keeps the gradient autograd hands it, so that
+    the store may not overwrite it.
+    """
+    data = torch.zeros(g.shape)
+    if memory_format is not None:
+        data = data.contiguous(memory_format=memory_format)
+    p = nn.Parameter(data)
+    opt = mixedopt.SGD([p], lr=0.1)
+    kept: list[torch.Tensor] = []
+    if held_elsewhere:
+        p.register_hook(kept.append)
+    (p * g).sum().backward()
+    assert p.grad.numel() > mixedopt._budget.budget(p.device).bucket_small  # stored alone
+    assert p.grad.stride() == p.stride()
+    return p.grad, opt._grad_storage.scale_of(p), kept
+
+
+def magnitudes_over_twelve_decades(shape) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(shape, generator=generator) * 10.0 ** torch.randint(
+        -8, 4, shape, generator=generator
+    )
+
+
 @pytest.mark.parametrize(
     "shape,memory_format", [((40_000,), None), ((8, 5, 25, 40), torch.channels_last)]
 )
-def test_a_gradient_stored_alone_is_the_same_scaled_at_once_or_in_pieces(
+def test_a_gradient_stored_alone_is_the_same_scaled_in_place_at_once_or_in_pieces(
     monkeypatch, shape, memory_format
 ):
-    """A gradient above the bucket limit is scaled in one multiplication up to
-    ``SCRATCH_PIECE`` elements and in pieces above: both hold ``true * scale`` rounded once."""
-    generator = torch.Generator().manual_seed(0)
-    g = torch.randn(shape, generator=generator) * 10.0 ** torch.randint(
-        -8, 4, shape, generator=generator
-    )
+    """A gradient above the bucket limit that nothing else holds is scaled where it is, then
+    rounded; one held elsewhere is scaled in one multiplication up to ``SCRATCH_PIECE``
+    elements and in pieces above (the reference paths): all hold ``true * scale`` rounded
+    once."""
+    g = magnitudes_over_twelve_decades(shape)
     stored = {}
-    for piece in (1 << 18, 1000):  # 40,000 elements: at once, then in 40 pieces
+    # 40,000 elements: in place, then at once, then in 40 pieces
+    for way, held_elsewhere, piece in (
+        ("in place", False, 1 << 18),
+        ("at once", True, 1 << 18),
+        ("in pieces", True, 1000),
+    ):
         monkeypatch.setattr(mixedopt._scales, "SCRATCH_PIECE", piece)
-        data = torch.zeros(shape)
-        if memory_format is not None:
-            data = data.contiguous(memory_format=memory_format)
-        p = nn.Parameter(data)
-        opt = mixedopt.SGD([p], lr=0.1)
-        (p * g).sum().backward()
+        grad, scale, _ = stored_alone(g, memory_format, held_elsewhere)
+        torch.testing.assert_close(grad, (g * scale).half(), rtol=0, atol=0)
+        stored[way] = grad
+    assert torch.equal(stored["in place"], stored["at once"])
+    assert torch.equal(stored["in place"], stored["in pieces"])
+
+
+def test_a_float32_gradient_held_elsewhere_is_not_changed_by_its_store():
+    g = magnitudes_over_twelve_decades((40_000,))
+    grad, scale, kept = stored_alone(g, None, held_elsewhere=True)
+    assert scale != 1.0  # a store that scaled in place would have changed what the hook kept
+    assert torch.equal(kept[0], g)
+
+
+def test_a_float32_gradient_two_parameters_share_is_stored_right_for_both():
+    """An addition hands both of its inputs one gradient tensor: the first store may not scale
+    it where it is, or the second would store it scaled twice."""
+    a, b = (nn.Parameter(torch.zeros(300, 256)) for _ in range(2))
+    opt = mixedopt.SGD([a, b], lr=0.1)
+    right = magnitudes_over_twelve_decades((256, 3))
+    ((a + b) @ right).sum().backward()
+    twin = torch.zeros(300, 256, requires_grad=True)
+    (twin @ right).sum().backward()
+    for p in (a, b):
         scale = opt._grad_storage.scale_of(p)
-        assert p.grad.numel() > mixedopt._budget.budget(p.device).bucket_small  # stored alone
-        assert p.grad.stride() == p.stride()
-        torch.testing.assert_close(p.grad, (g * scale).half(), rtol=0, atol=0)
-        stored[piece] = p.grad
-    assert torch.equal(stored[1 << 18], stored[1000])
+        torch.testing.assert_close(p.grad, (twin.grad * scale).half(), rtol=0, atol=0)
 
 
 @given(st.floats(-9, 6), st.integers(0, 2**16))
