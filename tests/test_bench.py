@@ -372,6 +372,16 @@ def test_cast_path_script_hands_over_every_cast_only_in_its_variant():
     assert handed_over == {"torch": "0", "mixedopt": "0", "mixedopt, every cast": "6"}
 
 
+def test_scaling_script_times_both_ways_of_scaling_the_three_large_weights():
+    script = str(ROOT / "scripts" / "scaling_in_place.py")
+    result = run_python([script, "--repeat", "2"], 300)
+    assert result.returncode == 0, result.stderr
+    # The MLP's three weights above 32Ki elements are stored alone, each scaled once.
+    assert "3 gradients scaled per backward" in result.stdout
+    for name in ("in place", "reference"):
+        assert re.search(rf"^\| {name} \| [\d.]+ \| [\d.]+ \|$", result.stdout, re.M)
+
+
 def test_floor_script_times_each_variant_doing_torchs_update():
     result = run_python([str(ROOT / "scripts" / "floor_small.py"), "--repeat", "2"], 300)
     assert result.returncode == 0, result.stderr
