@@ -260,15 +260,16 @@ def _scale_into(
 
     On a CPU a multiplication into a 16-bit output computes into a float32 temporary of the
     whole gradient first, memory that no cache holds. ``owned`` (``true`` is this store's to
-    overwrite): ``true`` is scaled where it is, then rounded, in memory the caches still hold
-    from the operation that made it. Else, for a gradient of up to ``SCRATCH_PIECE`` elements,
+    overwrite) and dense (no two elements share memory, as they do in the expanded gradient of
+    a sum): ``true`` is scaled where it is, then rounded, in memory the caches still hold from
+    the operation that made it. Else, for a gradient of up to ``SCRATCH_PIECE`` elements,
     one multiplication; a larger one's temporary is fresh memory, whose pages the system maps
     at the first write: there a dense gradient is scaled in pieces through ``scratch`` instead
     (the staging buffer, which the next bucket zeroes again), each piece a vectorised
     multiplication and a rounding copy, small enough to stay in a core's cache between the two.
     All round the same float32 products (docs/performance.md).
     """
-    if owned:
+    if owned and dense_order(true) is not None:
         torch.mul(true, scale, out=true)
         stored.copy_(true)
         return

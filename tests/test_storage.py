@@ -494,6 +494,18 @@ def test_a_gradient_stored_alone_is_the_same_scaled_in_place_at_once_or_in_piece
     assert torch.equal(stored["in place"], stored["in pieces"])
 
 
+def test_a_gradient_whose_elements_share_memory_is_stored_alone():
+    """The gradient of a sum is one value expanded to the parameter's shape (strides 0): not
+    scaled where it is, which would write one element many times."""
+    p = nn.Parameter(torch.zeros(300, 256))
+    opt = mixedopt.SGD([p], lr=0.1)
+    (p.sum() * 3).backward()
+    twin = torch.zeros(300, 256, requires_grad=True)
+    (twin.sum() * 3).backward()
+    scale = opt._grad_storage.scale_of(p)
+    torch.testing.assert_close(p.grad, (twin.grad * scale).half(), rtol=0, atol=0)
+
+
 def test_a_float32_gradient_held_elsewhere_is_not_changed_by_its_store():
     g = magnitudes_over_twelve_decades((40_000,))
     grad, scale, kept = stored_alone(g, None, held_elsewhere=True)
