@@ -156,8 +156,9 @@ _SCRATCH = "scratch"
 class Staging:
     """A float32 buffer one store works in, and what it last held.
 
-    Owned by one store at a time: ``BucketStore.lend_staging`` lends it from a pool per device
-    and takes it back when the store ends, so that stores running at once on several threads
+    Owned by one store at a time: ``BucketStore.lend_staging`` (or ``lend_scratch``, for a
+    store that may need none) lends it from a pool per device and takes it back when the store
+    ends, so that stores running at once on several threads
     each have their own, and the next store of a backward finds a warm one; the pool lets go of
     it once no backward runs. Grown to the largest bucket stored (at most a bucket's capacity).
     """
@@ -212,6 +213,33 @@ class Staging:
         return staging
 
 
+class ScratchLoan:
+    """Scratch space for a store that may need none: a staging buffer borrowed at the first call.
+
+    Made by ``BucketStore.lend_scratch``, so that a store that asks for none takes no lock.
+    Owned by the store it was made for, which calls ``give_back()`` when it ends.
+    """
+
+    __slots__ = ("_store", "_device", "_staging")
+
+    def __init__(self, store: BucketStore, device: torch.device) -> None:
+        self._store = store
+        self._device = device
+        self._staging: Staging | None = None
+
+    def __call__(self, elements: int) -> Tensor:
+        """``Staging.scratch(elements)`` of the staging buffer lent."""
+        if self._staging is None:
+            self._staging = self._store._borrow_staging(self._device)
+        return self._staging.scratch(elements)
+
+    def give_back(self) -> None:
+        """Give back the staging buffer, if one was borrowed."""
+        if self._staging is not None:
+            self._store._give_back_staging(self._staging)
+            self._staging = None
+
+
 class BucketStore:
     """Stores the buckets of a backward and finds them again for ``step()``; see the module.
 
@@ -255,13 +283,27 @@ class BucketStore:
         last one running empties the pool, so that no staging buffer stays between steps (a
         store that raised lets its buffer go).
         """
+        staging = self._borrow_staging(device)
+        yield staging
+        self._give_back_staging(staging)
+
+    def lend_scratch(self, device: torch.device) -> ScratchLoan:
+        """Scratch space of ``device`` for one store, borrowed only if the store asks for it.
+
+        The store calls ``give_back()`` on it when it ends (as ``lend_staging`` does).
+        """
+        return ScratchLoan(self, device)
+
+    def _borrow_staging(self, device: torch.device) -> Staging:
         with self._staging_lock:
             pool = self._staging.setdefault(device, [])
-            staging = pool.pop() if pool else Staging(device)  # none free: one more
-        yield staging
+            return pool.pop() if pool else Staging(device)  # none free: one more
+
+    def _give_back_staging(self, staging: Staging) -> None:
         # Under the lock with the check: a store that ends the last backward empties the pool
         # after any other store put its buffer back.
         with self._staging_lock:
+            pool = self._staging.setdefault(staging.device, [])
             if self._running():
                 pool.append(staging)
             else:

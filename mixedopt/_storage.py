@@ -583,8 +583,11 @@ class GradientStorage:
         ``taken``: nothing else holds ``incoming``: it may become ``.grad`` as it is, or be
         scaled in place.
         """
-        with self._bucket_store.lend_staging(incoming.device) as staging:
-            self._scales.store_alone(slot, incoming, previous, staging.scratch, taken)
+        scratch = self._bucket_store.lend_scratch(incoming.device)
+        try:
+            self._scales.store_alone(slot, incoming, previous, scratch, taken)
+        finally:
+            scratch.give_back()
         if slot.consumer is not None:
             slot.consumer([slot.param])
 
