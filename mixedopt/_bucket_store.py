@@ -158,9 +158,9 @@ class Staging:
 
     Owned by one store at a time: ``BucketStore.lend_staging`` (or ``lend_scratch``, for a
     store that may need none) lends it from a pool per device and takes it back when the store
-    ends, so that stores running at once on several threads
-    each have their own, and the next store of a backward finds a warm one; the pool lets go of
-    it once no backward runs. Grown to the largest bucket stored (at most a bucket's capacity).
+    ends, so that stores running at once on several threads each have their own, and the next
+    store of a backward finds a warm one; the pool lets go of it once no backward runs. Grown
+    to the largest bucket stored (at most a bucket's capacity).
     """
 
     __slots__ = ("device", "buffer", "layout", "rows", "_views")
