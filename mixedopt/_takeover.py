@@ -68,51 +68,45 @@ def _measure() -> frozenset[Counts]:
 
         return hook
 
-    def cast(weight: Tensor, name: str) -> Tensor:
+    weight = torch.ones(2, 2, requires_grad=True)
+    nodes: list[object] = []  # the leaves' hooked nodes, alive until the measure ends
+
+    def cast(name: str) -> Tensor:
+        """A cast of ``weight``, its node hooked."""
         made = weight.half()
         assert made.grad_fn is not None
         made.grad_fn.register_prehook(seeing(name))
         return made
 
-    def accumulator(leaf: Tensor, name: str) -> object:
-        """``leaf``'s ``AccumulateGrad``, hooked; it lives as long as something holds it."""
-        view = leaf.view_as(leaf).grad_fn
+    def leaf(name: str) -> Tensor:
+        """A leaf of its own, its ``AccumulateGrad`` hooked (and held: else it is dropped)."""
+        made = torch.ones(2, 2, requires_grad=True)
+        view = made.view_as(made).grad_fn
         assert view is not None
         node = view.next_functions[0][0]
         assert node is not None
         node.register_prehook(seeing(name))
-        return node
-
-    def leaves() -> tuple[Tensor, Tensor]:
-        return torch.ones(2, 2, requires_grad=True), torch.ones(2, 2, requires_grad=True)
+        nodes.append(node)
+        return made
 
     try:
         with torch.enable_grad(), torch.autocast("cpu", enabled=False):
-            weight = torch.ones(2, 2, requires_grad=True)
-            right = torch.ones(2, 2, dtype=torch.float16)
-            # Held by nothing else: a matrix product's gradient reaches the cast alone, as a
-            # tensor of its own and as a transposed view of one.
-            own, transposed = cast(weight, "alone"), cast(weight, "alone")
-            (own @ right + right @ transposed.t()).float().sum().backward()
-            # Held by another node: an addition hands one tensor to both of its inputs; the
-            # first of the two casts to run sees it held by the other's input too.
-            ((cast(weight, "shared") + cast(weight, "shared")) @ right).float().sum().backward()
-            # Held by a hook that kept it: a tensor hook runs before the node's pre-hooks.
             kept: list[Tensor] = []
-            stashed = cast(weight, "kept")
-            stashed.register_hook(kept.append)
-            (stashed @ right).float().sum().backward()
-            # The same three at leaves' own nodes, where float32 gradients arrive.
-            first, second = leaves()
-            nodes = [accumulator(first, "alone"), accumulator(second, "alone")]
-            (first @ right.float() + right.float() @ second.t()).sum().backward()
-            first, second = leaves()
-            nodes += [accumulator(first, "shared"), accumulator(second, "shared")]
-            ((first + second) @ right.float()).sum().backward()
-            first, _ = leaves()
-            nodes.append(accumulator(first, "kept"))
-            first.register_hook(kept.append)
-            (first @ right.float()).sum().backward()
+            # At a cast's node, where float16 gradients arrive, then at a leaf's own node,
+            # where float32 ones do.
+            for hooked, dtype in ((cast, torch.float16), (leaf, torch.float32)):
+                right = torch.ones(2, 2, dtype=dtype)
+                # Held by nothing else: a matrix product's gradient reaches the node alone, as
+                # a tensor of its own and as a transposed view of one.
+                own, transposed = hooked("alone"), hooked("alone")
+                (own @ right + right @ transposed.t()).float().sum().backward()
+                # Held by another node: an addition hands one tensor to both of its inputs;
+                # the first of the two nodes to run sees it held by the other's input too.
+                ((hooked("shared") + hooked("shared")) @ right).float().sum().backward()
+                # Held by a hook that kept it: a tensor hook runs before the node's pre-hooks.
+                stashed = hooked("kept")
+                stashed.register_hook(kept.append)
+                (stashed @ right).float().sum().backward()
     except (AttributeError, RuntimeError):  # a count this torch does not give
         return frozenset()
     alone, shared, kept_counts = seen["alone"], seen["shared"], seen["kept"]
