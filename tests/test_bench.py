@@ -382,6 +382,16 @@ def test_scaling_script_times_both_ways_of_scaling_the_three_large_weights():
         assert re.search(rf"^\| {name} \| [\d.]+ \| [\d.]+ \|$", result.stdout, re.M)
 
 
+def test_medium_floor_script_times_each_variant_and_its_minimal_store_is_mixedopts_update():
+    result = run_python([str(ROOT / "scripts" / "floor_medium.py"), "--repeat", "2"], 300)
+    assert result.returncode == 0, result.stderr
+    for name in ["torch", "torch + hooks", "minimal store", "mixedopt"]:
+        row = rf"^\| {re.escape(name)} \| [\d.]+ \([\d.]+x\) \| [\d.]+ \([\d.]+x\) \| [\d.]+ \("
+        assert re.search(row, result.stdout, re.M), name
+    # Its times are those of mixedopt's work: the same float16 gradients, the same update.
+    assert "The minimal store's weights are mixedopt's, bit for bit: yes" in result.stdout
+
+
 def test_floor_script_times_each_variant_doing_torchs_update():
     result = run_python([str(ROOT / "scripts" / "floor_small.py"), "--repeat", "2"], 300)
     assert result.returncode == 0, result.stderr

@@ -126,39 +126,58 @@ class _Run:
             self.opt.remove_grad_storage()
 
 
+def time_in_turns(
+    makers: Sequence[tuple[Callable[[Any], Any], Callable[..., Any]]],
+    repeat: int = 100,
+    warmup: int = 5,
+    device: str = "cpu",
+) -> list[tuple[nn.Module, dict[str, float]]]:
+    """Each ``(make, region)``'s optimizer on its own ``model`` (the same for all), in turns.
+
+    ``make(params)`` makes the optimizer; ``region`` is the forward's autocast context
+    (``torch.autocast`` or ``mixedopt.autocast``). Each runs its ``warmup`` iterations (two
+    more: a fused step that compiles does so in the first two), then the timed iterations go
+    round all of them. For each, its model after the iterations, and the median milliseconds
+    of each of ``PARTS`` with the mean page faults of an iteration (``"page faults"``).
+    """
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(BATCH, WIDTHS[0], generator=generator).to(device)
+    y = torch.randint(0, WIDTHS[-1], (BATCH,), generator=generator).to(device)
+    runs: list[_Run] = []
+    try:
+        for make, region in makers:
+            run = _Run(make, x, y, device, region)
+            runs.append(run)
+            for _ in range(warmup + 2):
+                run.iteration()
+            run.clear()
+        for round_index in range(repeat):
+            for run in in_turn(runs, round_index):
+                run.iteration()
+        return [(run.model, run.medians()) for run in runs]
+    finally:
+        for run in runs:
+            run.close()
+
+
 def iteration_times(
     pairs: Sequence[str] = tuple(PAIRS), repeat: int = 100, warmup: int = 5, device: str = "cpu"
 ) -> dict[str, dict[str, dict[str, float]]]:
     """Per pair and library (``torch``, ``mixedopt``), the medians of ``repeat`` iterations.
 
-    Every optimizer of every pair runs its ``warmup`` iterations (two more: a fused step that
-    compiles does so in the first two), then the timed iterations go round all of them.
+    Every optimizer of every pair runs on its own model, in turns (``time_in_turns``).
     """
-    generator = torch.Generator().manual_seed(1)
-    x = torch.randn(BATCH, WIDTHS[0], generator=generator).to(device)
-    y = torch.randint(0, WIDTHS[-1], (BATCH,), generator=generator).to(device)
-    runs: dict[tuple[str, str], _Run] = {}
-    try:
-        for pair in pairs:
-            for library, make in zip(("torch", "mixedopt"), PAIRS[pair], strict=True):
-                region = (
-                    FORWARD.get(pair, torch.autocast) if library == "mixedopt" else torch.autocast
-                )
-                run = runs[(pair, library)] = _Run(make, x, y, device, region)
-                for _ in range(warmup + 2):
-                    run.iteration()
-                run.clear()
-        order = list(runs.values())
-        for round_index in range(repeat):
-            for run in in_turn(order, round_index):
-                run.iteration()
-        found: dict[str, dict[str, dict[str, float]]] = {}
-        for (pair, library), run in runs.items():
-            found.setdefault(pair, {})[library] = run.medians()
-        return found
-    finally:
-        for run in runs.values():
-            run.close()
+    keys: list[tuple[str, str]] = []
+    makers: list[tuple[Callable[[Any], Any], Callable[..., Any]]] = []
+    for pair in pairs:
+        torch_make, mixedopt_make = PAIRS[pair]
+        keys += [(pair, "torch"), (pair, "mixedopt")]
+        makers += [(torch_make, torch.autocast), (mixedopt_make, FORWARD.get(pair, torch.autocast))]
+    timed = time_in_turns(makers, repeat=repeat, warmup=warmup, device=device)
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for (pair, library), (_, medians) in zip(keys, timed, strict=True):
+        found.setdefault(pair, {})[library] = medians
+    return found
 
 
 def report(
