@@ -40,15 +40,10 @@ from torch.optim.adamw import adamw
 
 import mixedopt
 from mixedopt._scales import abs_max_on_host, power_of_two_scale_on_host
-from mixedopt.bench import medium
+from mixedopt.bench import medium, small
 
 # torch.optim.AdamW's defaults, which the benchmark's optimizers take.
 LR, BETAS, EPS, WEIGHT_DECAY = 1e-3, (0.9, 0.999), 1e-8, 1e-2
-
-
-def accumulate_grad_node(param: Tensor) -> Any:
-    """The ``AccumulateGrad`` node of a leaf ``param`` (the caller keeps it, and its hooks)."""
-    return param.view_as(param).grad_fn.next_functions[0][0]
 
 
 class MinimalStore:
@@ -65,7 +60,7 @@ class MinimalStore:
         self.nodes = []  # holding each AccumulateGrad node keeps its hook
         for param in self.params:
             param.grad_dtype = None  # accept a float16 .grad
-            node = accumulate_grad_node(param)
+            node = small.accumulate_grad_node(param)
             node.register_prehook(self._hook(param))
             self.nodes.append(node)
 
@@ -120,21 +115,9 @@ def torch_adamw(params: Any) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, foreach=True)
 
 
-def torch_adamw_with_hooks(params: Any) -> torch.optim.AdamW:
-    """``torch_adamw``, with a pre-hook that does nothing on each AccumulateGrad node."""
-    params = list(params)
-    opt = torch_adamw(params)
-    opt.nodes = []  # type: ignore[attr-defined]
-    for param in params:
-        node = accumulate_grad_node(param)
-        node.register_prehook(lambda grad_outputs: None)
-        opt.nodes.append(node)  # type: ignore[attr-defined]
-    return opt
-
-
 VARIANTS: dict[str, Callable[[Any], Any]] = {
     "torch": torch_adamw,
-    "torch + hooks": torch_adamw_with_hooks,
+    "torch + hooks": small.with_empty_hooks(torch_adamw),
     "minimal store": MinimalStore,
     "mixedopt": mixedopt.AdamW,
 }

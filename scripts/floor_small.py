@@ -60,7 +60,7 @@ class MinimalStore:
         self.nodes = []  # holding each AccumulateGrad node keeps its hook
         for param in self.params:
             param.grad_dtype = None  # accept a float16 .grad
-            node = param.view_as(param).grad_fn.next_functions[0][0]
+            node = small.accumulate_grad_node(param)
             node.register_prehook(self._hook(param))
             self.nodes.append(node)
 
@@ -134,21 +134,9 @@ def torch_sgd(params: Any) -> torch.optim.SGD:
     return torch.optim.SGD(params, lr=LR, momentum=MOMENTUM, foreach=True)
 
 
-def torch_sgd_with_hooks(params: Any) -> torch.optim.SGD:
-    """``torch_sgd``, with a pre-hook that does nothing on each AccumulateGrad node."""
-    params = list(params)
-    opt = torch_sgd(params)
-    opt.nodes = []  # type: ignore[attr-defined]
-    for param in params:
-        node = param.view_as(param).grad_fn.next_functions[0][0]
-        node.register_prehook(lambda grad_outputs: None)
-        opt.nodes.append(node)  # type: ignore[attr-defined]
-    return opt
-
-
 VARIANTS: dict[str, Callable[[Any], Any]] = {
     "torch": torch_sgd,
-    "torch + hooks": torch_sgd_with_hooks,
+    "torch + hooks": small.with_empty_hooks(torch_sgd),
     "minimal store": MinimalStore,
     "minimal store + scales": lambda params: MinimalStore(params, scaled=True),
     "mixedopt": lambda params: mixedopt.SGD(params, lr=LR, momentum=MOMENTUM),

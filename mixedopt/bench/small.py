@@ -105,6 +105,34 @@ def model(layers: int, width: int, seed: int = 0, device: str = "cpu") -> nn.Mod
     return nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)]).to(device)
 
 
+def accumulate_grad_node(param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node of a leaf ``param`` (keep it: it holds the hooks put on it)."""
+    view = param.view_as(param)
+    assert view.grad_fn is not None, "a parameter that requires grad"
+    return view.grad_fn.next_functions[0][0]
+
+
+def with_empty_hooks(make: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """``make``, plus a pre-hook that does nothing on each parameter's ``AccumulateGrad`` node.
+
+    Such a hook is the only place where a float32 gradient can be taken before autograd adds
+    it to an earlier ``.grad``: what it costs, any store of 16-bit gradients pays first. The
+    optimizer made keeps the nodes (``nodes``), and so their hooks.
+    """
+
+    def made(params: Any) -> Any:
+        params = list(params)
+        opt = make(params)
+        opt.nodes = []
+        for param in params:
+            node = accumulate_grad_node(param)
+            node.register_prehook(lambda grad_outputs: None)
+            opt.nodes.append(node)
+        return opt
+
+    return made
+
+
 def _loss(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.autocast(x.device.type, dtype=torch.float16):
         return net(x).float().square().mean()
