@@ -14,9 +14,10 @@ and input:
 * ``minimal store``: those hooks store each gradient with mixedopt's numerics in the fewest
   operations it has: the largest magnitude read on the host, the power-of-two scale found
   there, the gradient scaled where it is and rounded into a new float16 ``.grad``. ``step()``
-  skips when a largest magnitude is inf or NaN, else upcasts and unscales the gradients into
-  float32 buffers it keeps (two operations for all; mixedopt lets its step's buffers go) and
-  calls torch's functional ``adamw(foreach=True)`` once. No bookkeeping: no accumulation, no
+  skips when a largest magnitude is inf or NaN, else upcasts the gradients into new float32
+  memory, let go after the update (as torch.optim's temporaries are: float32 copies kept
+  between steps would hold what float16 saves), unscales them with one operation and calls
+  torch's functional ``adamw(foreach=True)`` once. No bookkeeping: no accumulation, no
   buckets, no check that a gradient is still the one stored, one thread.
 * ``mixedopt``: ``mixedopt.AdamW``.
 
@@ -24,7 +25,7 @@ It prints the median iteration, forward and backward, and step of each, in milli
 a ratio to torch's, and whether the minimal store's weights at the end are mixedopt's, bit for
 bit (the same float16 gradients and the same update: its times are those of mixedopt's work).
 
-    python scripts/floor_medium.py [--repeat 300]
+    python scripts/floor_medium.py [--repeat 300] [--threads 1]
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ class MinimalStore:
         self.state = {
             p: (torch.zeros_like(p), torch.zeros_like(p), torch.tensor(0.0)) for p in self.params
         }
-        self.upcast = [torch.empty_like(p) for p in self.params]  # kept: memory is not asked
         self.scales: dict[Tensor, float] = {}
         self.bounds: dict[Tensor, float] = {}
         self.nodes = []  # holding each AccumulateGrad node keeps its hook
@@ -83,8 +83,9 @@ class MinimalStore:
         """Skip on inf or NaN, else upcast and unscale, then torch's functional AdamW."""
         if not all(map(math.isfinite, self.bounds.values())):
             return
-        grads = self.upcast
-        torch._foreach_copy_(grads, [p.grad for p in self.params])  # type: ignore[misc]
+        # Fresh float32 memory, let go after the update, as torch.optim's temporaries are (a
+        # float32 copy of every gradient kept between steps would hold what float16 saves).
+        grads = [p.grad.float() for p in self.params]  # type: ignore[union-attr]
         torch._foreach_mul_(grads, [1.0 / self.scales[p] for p in self.params])
         exp_avgs, exp_avg_sqs, steps = zip(*(self.state[p] for p in self.params), strict=True)
         adamw(
@@ -127,12 +128,13 @@ def main() -> None:
     """Print the times of each variant and whether the minimal store's weights are mixedopt's."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--repeat", type=int, default=300, help="timed iterations (300)")
+    parser.add_argument("--threads", type=int, default=1, help="torch's CPU threads (1)")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     makers = [(make, torch.autocast) for make in VARIANTS.values()]
     timed = dict(zip(VARIANTS, medium.time_in_turns(makers, repeat=args.repeat), strict=True))
     print(
-        f"MLP {'-'.join(map(str, medium.WIDTHS))} on the CPU (one thread), batch "
+        f"MLP {'-'.join(map(str, medium.WIDTHS))} on the CPU ({args.threads} thread(s)), batch "
         f"{medium.BATCH}, autocast(float16), AdamW, median of {args.repeat}, ms (ratio to "
         "torch):\n"
     )
