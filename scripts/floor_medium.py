@@ -18,7 +18,7 @@ and input:
   memory, let go after the update (as torch.optim's temporaries are: float32 copies kept
   between steps would hold what float16 saves), unscales them with one operation and calls
   torch's functional ``adamw(foreach=True)`` once. No bookkeeping: no accumulation, no
-  buckets, no check that a gradient is still the one stored, one thread.
+  buckets, no check that a gradient is still the one stored, safe on one thread only.
 * ``mixedopt``: ``mixedopt.AdamW``.
 
 It prints the median iteration, forward and backward, and step of each, in milliseconds and as
